@@ -1,0 +1,31 @@
+# The two set-up commands of the README: `make demo` and `make test`. Each builds .venv itself.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch 2.13.0 (CPU build) lies on this kind of machine's disk; pinning it avoids a multi-GB CUDA download.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test bench clean venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(BIN)/nbox show topologies/dgx-h100-32.yaml
+	$(BIN)/nbox bench topologies/dgx-h100-32.yaml -b 8 -e 1G -f 4
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+bench: venv
+	$(BIN)/python benchmarks/model_speed.py
+	$(BIN)/python benchmarks/flow_speed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

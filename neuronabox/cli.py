@@ -1,0 +1,203 @@
+"""The ``nbox`` command: parses arguments, calls one function per verb, prints.
+
+Exit codes: 0 success, 1 the run failed, 2 bad usage or bad input (one line naming the file,
+the YAML path and the value; a traceback only with ``--debug``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from .errors import InputError
+
+app = typer.Typer(
+    name="nbox",
+    help="NeuronaBox: emulate distributed DNN training on one node.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+_state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")) -> None:
+    _state["debug"] = debug
+
+
+def _load(path: Path, inject=(), latency_scale=None, bandwidth_scale=None, stragglers=(), world_size=None):
+    from .topology import load_topology
+    from .topology.whatif import apply_whatif_flags
+
+    topo = load_topology(path)
+    return apply_whatif_flags(topo, inject, latency_scale, bandwidth_scale, stragglers, world_size)
+
+
+_INJECT = typer.Option([], "--inject", help="Extra latency per collective, e.g. all_reduce=+2ms (repeatable).")
+_LAT = typer.Option(None, "--latency-scale", help="Multiply every latency.")
+_BW = typer.Option(None, "--bandwidth-scale", help="Multiply every network bandwidth.")
+_WORLD = typer.Option(None, "--world-size", help="Grow or shrink the cluster to this many ranks.")
+
+
+@app.command()
+def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of stdout.")) -> None:
+    """Print the JSON Schema of topology files."""
+    from .topology.schema import json_schema
+
+    text = json.dumps(json_schema(), indent=2) + "\n"
+    if output:
+        output.write_text(text, encoding="utf-8")
+        console.print(f"wrote {output}")
+    else:
+        sys.stdout.write(text)
+
+
+@app.command()
+def show(
+    topology: Path = typer.Argument(..., help="Topology YAML file."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Draw the graph into this PNG file."),
+    dot: Optional[Path] = typer.Option(None, "--dot", help="Write the graph as Graphviz dot."),
+    route: List[str] = typer.Option([], "--route", help="Print the route between two ranks, e.g. 0:9 (repeatable)."),
+    world_size: Optional[int] = _WORLD,
+) -> None:
+    """Summarize a topology; optionally draw it or print routes."""
+    from .report.topology_view import route_table, summary_tables, write_dot, write_png
+    from .topology.graph import ClusterGraph
+
+    topo = _load(topology, world_size=world_size)
+    graph = ClusterGraph(topo)
+    for table in summary_tables(topo, graph):
+        console.print(table)
+    for spec in route:
+        src, sep, dst = spec.partition(":")
+        if not (sep and src.isdigit() and dst.isdigit()) or max(int(src), int(dst)) >= topo.world_size:
+            raise InputError(f"--route: expected SRC:DST ranks within 0-{topo.world_size - 1}, got {spec!r}")
+        console.print(route_table(graph, int(src), int(dst)))
+    if dot:
+        write_dot(graph, dot)
+        console.print(f"wrote {dot}")
+    if png:
+        write_png(graph, png)
+        console.print(f"wrote {png}")
+
+
+@app.command()
+def models() -> None:
+    """List the delay models (built-in and plugins) and their algorithms."""
+    from rich.table import Table
+
+    from .model.registry import available_models, model_class
+
+    t = Table(title="delay models", title_justify="left")
+    for col in ("name", "source", "algorithms", "description"):
+        t.add_column(col)
+    for name, source in available_models().items():
+        try:
+            cls = model_class(name)
+            t.add_row(name, source, ", ".join(("auto",) + cls.algorithms), cls.description)
+        except InputError as exc:
+            t.add_row(name, source, "-", f"[red]{exc}[/red]")
+    console.print(t)
+
+
+@app.command()
+def bench(
+    topology: Path = typer.Argument(..., help="Topology YAML file."),
+    op: str = typer.Option("all_reduce", "-o", "--op", help="Collective, or 'all'."),
+    minbytes: str = typer.Option("8", "-b", "--minbytes", help="Smallest size (8, 1K, 64MiB)."),
+    maxbytes: str = typer.Option("128M", "-e", "--maxbytes", help="Largest size."),
+    stepfactor: float = typer.Option(2.0, "-f", "--stepfactor", help="Multiply the size by this each row."),
+    stepbytes: Optional[str] = typer.Option(None, "-i", "--stepbytes", help="Add this to the size each row instead."),
+    model: Optional[str] = typer.Option(None, "-m", "--model", help="Delay model (default: the topology's)."),
+    algorithm: Optional[str] = typer.Option(None, "-a", "--algorithm", help="Force an algorithm."),
+    protocol: Optional[str] = typer.Option(None, "-p", "--protocol", help="Force a protocol (nccl model)."),
+    ranks: Optional[str] = typer.Option(None, "--ranks", help="The communicator, e.g. 0-7,16 (default: every rank)."),
+    dtype: str = typer.Option("float", "-d", "--datatype", help="Element type: " + ", ".join(["int8", "half", "bfloat16", "float", "double"])),
+    root: int = typer.Option(0, "-r", "--root", help="Root (index in the communicator) of rooted collectives."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write the rows as JSON to this file ('-' for stdout)."),
+    inject: List[str] = _INJECT,
+    latency_scale: Optional[float] = _LAT,
+    bandwidth_scale: Optional[float] = _BW,
+    world_size: Optional[int] = _WORLD,
+) -> None:
+    """The nccl-tests table, from the model: time, algbw and busbw per size."""
+    from .collectives import Op
+    from .model.bench import DTYPES, parse_bench_size, parse_ranks, run_bench, sweep_sizes
+    from .model.registry import create_model
+    from .report.nccl_tests import format_table
+
+    topo = _load(topology, inject, latency_scale, bandwidth_scale, (), world_size)
+    try:
+        ops = list(Op) if op == "all" else [Op.parse(op)]
+    except ValueError as exc:
+        raise InputError(f"--op: {exc}") from None
+    if dtype not in DTYPES:
+        raise InputError(f"--datatype: unknown type {dtype!r} (choose from {', '.join(DTYPES)})")
+    sizes = sweep_sizes(
+        parse_bench_size(minbytes, "--minbytes"), parse_bench_size(maxbytes, "--maxbytes"), stepfactor,
+        parse_bench_size(stepbytes, "--stepbytes") if stepbytes is not None else None,
+    )
+    group = parse_ranks(ranks, topo.world_size) if ranks else parse_ranks(f"0-{topo.world_size - 1}", topo.world_size)
+    if not 0 <= root < group.size:
+        raise InputError(f"--root: {root} is not an index in a communicator of {group.size} ranks")
+    m = create_model(topo, model, algorithm=algorithm, protocol=protocol)
+    rows = run_bench(m, ops, sizes, group, dtype, root)
+    if json_out:
+        doc = {
+            "topology": topo.name, "file": topo.source, "model": m.name, "algorithm": m.algorithm,
+            "ranks": group.size, "world_size": topo.world_size, "rows": [r.as_dict() for r in rows],
+        }
+        text = json.dumps(doc, indent=2) + "\n"
+        if json_out == "-":
+            sys.stdout.write(text)
+            return
+        Path(json_out).write_text(text, encoding="utf-8")
+    header = [
+        f"nbox bench: topology {topo.name} ({topo.source}), {group.size} of {topo.world_size} ranks "
+        f"on {len({topo.rank_node[r] for r in group.ranks})} nodes",
+        f"model {m.name}, algorithm {m.algorithm}" + (f", protocol {m.protocol}" if m.protocol not in ("", "auto") else ""),
+        f"minBytes {sizes[0]} maxBytes {sizes[-1]} step: {stepbytes or f'{stepfactor:g}(factor)'}",
+    ]
+    for i, o in enumerate(ops):
+        sys.stdout.write(format_table([r for r in rows if r.op == o.value], header if i == 0 else []) + "\n\n")
+    if json_out:
+        console.print(f"wrote {json_out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``nbox`` console script."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except InputError as exc:
+        if _state["debug"]:
+            raise
+        print(f"nbox: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("nbox: interrupted", file=sys.stderr)
+        return 130
+    except typer.Exit as exc:
+        return exc.exit_code
+    except SystemExit as exc:  # click's own --help/usage handling
+        return exc.code if isinstance(exc.code, int) else 1
+    except Exception as exc:  # click usage errors come through here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            return exc.exit_code
+        if isinstance(exc, click.exceptions.Abort):
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

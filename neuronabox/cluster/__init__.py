@@ -1,0 +1,1 @@
+"""The emulation cluster (nbox up): state, namespaces, shaping, agent, stubs, compose."""

@@ -1,0 +1,1 @@
+"""The emulated world: the nbox collective backend, its timeline, and the launcher."""

@@ -1,0 +1,1 @@
+"""Fidelity: validate, calibrate, what-if sweeps."""

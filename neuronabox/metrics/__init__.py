@@ -1,0 +1,1 @@
+"""Metrics: Prometheus exporters and recorders."""

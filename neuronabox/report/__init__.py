@@ -1,0 +1,1 @@
+"""What users read: tables, summaries, plots."""

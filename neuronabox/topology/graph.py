@@ -1,0 +1,327 @@
+"""Synthesis: a resolved topology becomes a directed graph of hosts, ranks, NICs, switches and links.
+
+Every physical link is two arcs (full duplex, each with the link's bandwidth). Arc ids index
+flat arrays (``capacity``, ``latency``) so that models can work on numbers, not dicts.
+
+Graph vertices (strings, readable in dot/PNG output):
+- ``node0``           the host; it is also the intra-node fabric hub (NVSwitch, PCIe switch, memory)
+- ``node0/r3``        rank 3 of the node (local index), a GPU or a CPU process
+- ``node0/nic1``      a NIC
+- switches by role: ``switch``, ``edge-p0-1``, ``agg-p0-1``, ``core-0-1``, ``rail2``, ``spine0``, or a listed name
+
+Routes between ranks of one node cross the fabric (rank -> host -> rank). Between nodes they
+leave through the source rank's NIC, cross the network along a shortest path (by latency;
+equal-cost paths are chosen per hop by a hash of the endpoints, like ECMP) and enter the
+destination rank's NIC. On rail-optimized networks a rank whose NIC is on another rail than
+the destination's first crosses the fabric to the NIC on the right rail (NCCL's PXN).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Iterable
+
+import networkx as nx
+import numpy as np
+
+from ..errors import TopologyError
+from .resolve import Topology, effective_link
+from .schema import LinkSpec
+
+__all__ = ["ClusterGraph", "LinkInfo"]
+
+# NIC <-> host arcs stand for PCIe to the NIC, which these models do not make a bottleneck.
+UNLIMITED = float("inf")
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """One directed arc."""
+
+    id: int
+    src: str
+    dst: str
+    kind: str  # "fabric", "pcie" or "net"
+    capacity: float  # bytes/s
+    latency: float  # seconds
+    jitter: float
+    loss: float
+
+
+class ClusterGraph:
+    """The synthesized cluster: vertices, arcs with capacities and latencies, and rank-to-rank routes."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        wi = topo.whatif
+        self._bw_scale = wi.bandwidth_scale
+        self._lat_scale = wi.latency_scale
+        self.g = nx.DiGraph()
+        self._arcs: list[LinkInfo] = []
+        self.rank_vertex: list[str] = []
+        self.rank_nic: list[str] = []
+        self.nic_rail: dict[str, int] = {}
+        self.switches: list[str] = []
+        self._build_hosts()
+        self._build_network()
+        self.capacity = np.array([a.capacity for a in self._arcs], dtype=float)
+        self.latency = np.array([a.latency for a in self._arcs], dtype=float)
+        self._route_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._pred_cache: dict[str, dict[str, list[str]]] = {}
+        self._prepare_routing()
+
+    # ---- construction -------------------------------------------------------------------
+    def _add_vertex(self, name: str, **attrs) -> None:
+        self.g.add_node(name, **attrs)
+
+    def _add_link(self, a: str, b: str, kind: str, capacity: float, latency: float, jitter=0.0, loss=0.0) -> None:
+        if kind == "net":
+            capacity *= self._bw_scale
+        latency *= self._lat_scale
+        for u, v in ((a, b), (b, a)):
+            lat = latency
+            if kind == "net" and self.g.nodes[u].get("kind") == "switch":
+                lat += self.topo.network.switch_latency * self._lat_scale
+            arc = LinkInfo(len(self._arcs), u, v, kind, capacity, lat, jitter, loss)
+            self._arcs.append(arc)
+            self.g.add_edge(u, v, id=arc.id, kind=kind, capacity=capacity, latency=lat, jitter=jitter, loss=loss)
+
+    def _build_hosts(self) -> None:
+        for node in self.topo.nodes:
+            self._add_vertex(node.name, kind="host", node=node.index, device=node.device, fabric=node.fabric.value)
+            for nic in range(node.nics):
+                v = f"{node.name}/nic{nic}"
+                self._add_vertex(v, kind="nic", node=node.index, nic=nic)
+                self.nic_rail[v] = nic
+                self._add_link(node.name, v, "pcie", UNLIMITED, 0.0)
+            for local in range(node.ranks):
+                rank = node.first_rank + local
+                v = f"{node.name}/r{local}"
+                self._add_vertex(v, kind="rank", node=node.index, rank=rank, device=node.device)
+                # Half the rank-to-rank latency on each side of the hub.
+                self._add_link(v, node.name, "fabric", node.intra_bandwidth, node.intra_latency / 2)
+                self.rank_vertex.append(v)
+                self.rank_nic.append(f"{node.name}/nic{(local * node.nics) // node.ranks}")
+                self._add_link(v, self.rank_nic[-1], "pcie", UNLIMITED, 0.0)
+
+    def _switch(self, name: str, role: str, **attrs) -> str:
+        self._add_vertex(name, kind="switch", role=role, **attrs)
+        self.switches.append(name)
+        return name
+
+    def _net(self, a: str, b: str, spec: LinkSpec) -> None:
+        self._add_link(a, b, "net", spec.bandwidth, spec.latency, spec.jitter, spec.loss)
+
+    def _all_nics(self) -> list[str]:
+        return [f"{n.name}/nic{i}" for n in self.topo.nodes for i in range(n.nics)]
+
+    def _build_network(self) -> None:
+        net = self.topo.network
+        kind = net.type
+        if kind == "switch":
+            sw = self._switch("switch", "switch")
+            for nic in self._all_nics():
+                self._net(nic, sw, net.link)
+        elif kind == "ring":
+            self._build_ring(net.link)
+        elif kind == "fat-tree":
+            self._build_fat_tree(net)
+        elif kind == "rail-optimized":
+            self._build_rail(net)
+        else:
+            self._build_links(net)
+
+    def _build_ring(self, link: LinkSpec) -> None:
+        nodes = self.topo.nodes
+        if len(nodes) < 2:
+            return
+        rails = max(n.nics for n in nodes)
+        for rail in range(rails):
+            members = [f"{n.name}/nic{rail}" for n in nodes if n.nics > rail]
+            pairs = [(members[i], members[(i + 1) % len(members)]) for i in range(len(members))]
+            if len(members) == 2:
+                pairs = pairs[:1]
+            for a, b in pairs:
+                self._net(a, b, link)
+
+    def _build_fat_tree(self, net) -> None:
+        nics = self._all_nics()
+        ft = net.fat_tree
+        k = ft.k if ft and ft.k else _smallest_k(len(nics))
+        over = ft.oversubscription if ft else 1.0
+        half = k // 2
+        up = net.link.model_copy(update={"bandwidth": net.link.bandwidth / over})
+        pods_used = -(-len(nics) // (half * half))
+        for p in range(pods_used):
+            for i in range(half):
+                e = self._switch(f"edge-p{p}-{i}", "edge", pod=p)
+                for j in range(half):
+                    a = f"agg-p{p}-{j}"
+                    if a not in self.g:
+                        self._switch(a, "agg", pod=p)
+                    self._net(e, a, up)
+        if pods_used > 1:
+            for j in range(half):
+                for m in range(half):
+                    c = self._switch(f"core-{j}-{m}", "core")
+                    for p in range(pods_used):
+                        self._net(f"agg-p{p}-{j}", c, net.link)
+        for g_idx, nic in enumerate(nics):
+            p, e = divmod(g_idx // half, half)
+            self._net(nic, f"edge-p{p}-{e}", net.link)
+
+    def _build_rail(self, net) -> None:
+        rails = max(n.nics for n in self.topo.nodes)
+        spines = (net.rail.spines if net.rail and net.rail.spines else rails) if len(self.topo.nodes) > 1 else 0
+        spine_link = effective_link(net.link, net.rail.spine_link if net.rail else None)
+        leaves = [self._switch(f"rail{r}", "leaf", rail=r) for r in range(rails)]
+        for s in range(spines if rails > 1 else 0):
+            sp = self._switch(f"spine{s}", "spine")
+            for leaf in leaves:
+                self._net(leaf, sp, spine_link)
+        for n in self.topo.nodes:
+            for i in range(n.nics):
+                self._net(f"{n.name}/nic{i}", leaves[i], net.link)
+
+    def _build_links(self, net) -> None:
+        for s in net.switches:
+            self._switch(s, "switch")
+        for link in net.links:
+            ends = [e if e in self.g and self.g.nodes[e]["kind"] == "switch" else _nic_name(e) for e in link.endpoints]
+            self._net(ends[0], ends[1], effective_link(net.link, link))
+        src = self.topo.source
+        reach = nx.node_connected_component(self.g.to_undirected(as_view=True), self.topo.nodes[0].name)
+        for n in self.topo.nodes[1:]:
+            if n.name not in reach:
+                raise TopologyError(src, "network.links", f"node {n.name!r} cannot reach node {self.topo.nodes[0].name!r}")
+
+    # ---- routing --------------------------------------------------------------------------
+    def _prepare_routing(self) -> None:
+        # Routing runs on the forwarding part of the network: switches, plus NICs that link to
+        # other NICs directly (rings, explicit links). A NIC with one link to a switch attaches there.
+        self._attach: dict[str, str] = {}
+        forwarding: set[str] = set(self.switches)
+        for nic in self.nic_rail:
+            peers = [v for v in self.g.successors(nic) if self.g.nodes[v]["kind"] in ("switch", "nic")]
+            if len(peers) == 1 and self.g.nodes[peers[0]]["kind"] == "switch":
+                self._attach[nic] = peers[0]
+            else:
+                self._attach[nic] = nic
+                forwarding.add(nic)
+        self._rgraph = self.g.subgraph(forwarding).copy()
+
+    def _network_path(self, a: str, b: str) -> list[str]:
+        """Vertices from NIC ``a`` to NIC ``b`` through the network, ECMP-hashed per hop."""
+        sa, sb = self._attach[a], self._attach[b]
+        if sa == sb:
+            inner = [sa]
+        else:
+            pred = self._pred_cache.get(sa)
+            if pred is None:
+                pred, _ = nx.dijkstra_predecessor_and_distance(self._rgraph, sa, weight=_route_weight)
+                self._pred_cache[sa] = pred
+            if sb not in pred:
+                raise TopologyError(self.topo.source, "network", f"{a} cannot reach {b}")
+            h = zlib.crc32(f"{a}>{b}".encode())
+            inner = [sb]
+            v = sb
+            while v != sa:
+                options = pred[v]
+                v = options[h % len(options)] if len(options) > 1 else options[0]
+                h = (h * 2654435761 + 1) & 0xFFFFFFFF
+                inner.append(v)
+            inner.reverse()
+        path = [a] if inner[0] != a else []
+        path += inner
+        if path[-1] != b:
+            path.append(b)
+        return path
+
+    def route_vertices(self, src: int, dst: int) -> list[str]:
+        """The vertices a message from rank ``src`` to rank ``dst`` crosses, both ends included."""
+        topo = self.topo
+        a, b = self.rank_vertex[src], self.rank_vertex[dst]
+        if src == dst:
+            return [a]
+        na, nb = topo.node_of(src), topo.node_of(dst)
+        if na.index == nb.index:
+            return [a, na.name, b]
+        nic_b = self.rank_nic[dst]
+        nic_a = self.rank_nic[src]
+        head = [a]
+        if topo.network.type == "rail-optimized":
+            rail = self.nic_rail[nic_b]
+            if self.nic_rail[nic_a] != rail and rail < na.nics:
+                nic_a = f"{na.name}/nic{rail}"
+                head = [a, na.name]
+        return head + self._network_path(nic_a, nic_b) + [b]
+
+    def route(self, src: int, dst: int) -> tuple[int, ...]:
+        """The arc ids from rank ``src`` to rank ``dst`` (cached)."""
+        key = (src, dst)
+        hit = self._route_cache.get(key)
+        if hit is None:
+            verts = self.route_vertices(src, dst)
+            hit = tuple(self.g.edges[u, v]["id"] for u, v in zip(verts, verts[1:]))
+            self._route_cache[key] = hit
+        return hit
+
+    def route_latency(self, src: int, dst: int) -> float:
+        """Sum of arc latencies from ``src`` to ``dst``."""
+        return float(sum(self._arcs[i].latency for i in self.route(src, dst)))
+
+    def route_bandwidth(self, src: int, dst: int) -> float:
+        """The bottleneck capacity from ``src`` to ``dst`` (infinite for a rank to itself)."""
+        r = self.route(src, dst)
+        return min((self._arcs[i].capacity for i in r), default=UNLIMITED)
+
+    # ---- inspection -----------------------------------------------------------------------
+    @property
+    def arcs(self) -> list[LinkInfo]:
+        """Every directed arc, indexed by id."""
+        return self._arcs
+
+    def vertices(self, kind: str) -> list[str]:
+        """Vertices of one kind: host, rank, nic or switch."""
+        return [v for v, d in self.g.nodes(data=True) if d["kind"] == kind]
+
+    def physical_links(self, kind: str | None = None) -> Iterable[LinkInfo]:
+        """One arc per physical link (the one with src < dst)."""
+        return (a for a in self._arcs if a.src < a.dst and (kind is None or a.kind == kind))
+
+    def to_dot(self) -> str:
+        """The graph in Graphviz dot, one undirected edge per physical link."""
+        shapes = {"host": "box3d", "rank": "ellipse", "nic": "cds", "switch": "diamond"}
+        lines = [f'graph "{self.topo.name}" {{', "  graph [overlap=false, splines=true];"]
+        for v, d in self.g.nodes(data=True):
+            label = v if d["kind"] != "rank" else f"{v}\\nrank {d['rank']}"
+            lines.append(f'  "{v}" [shape={shapes[d["kind"]]}, label="{label}"];')
+        for a in self.physical_links():
+            attrs = f'label="{_link_label(a)}"' if a.kind != "pcie" else "style=dotted"
+            lines.append(f'  "{a.src}" -- "{a.dst}" [{attrs}];')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+
+def _link_label(a: LinkInfo) -> str:
+    from ..units import format_bandwidth, format_duration
+
+    return f"{format_bandwidth(a.capacity)} {format_duration(a.latency)}"
+
+
+def _route_weight(u: str, v: str, data: dict) -> float:
+    # Latency first; a tiny per-hop cost makes equal-latency paths prefer fewer hops.
+    return data["latency"] + 1e-12
+
+
+def _nic_name(endpoint: str) -> str:
+    name, _, nic = endpoint.partition(":")
+    return f"{name}/nic{nic or 0}"
+
+
+def _smallest_k(hosts: int) -> int:
+    k = 2
+    while k**3 // 4 < hosts:
+        k += 2
+    return k

@@ -1,0 +1,363 @@
+"""Loading a topology file: YAML -> pydantic -> cross-field checks -> a resolved ``Topology``.
+
+Every error is a ``TopologyError`` whose message is one line naming the file, the YAML path
+and the offending value, which is what the CLI prints before exiting with code 2.
+"""
+
+from __future__ import annotations
+
+import re
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ..errors import TopologyError
+from .schema import FabricKind, LinkSpec, NodeOverride, TopologyFile
+
+__all__ = ["Node", "Topology", "load_topology", "parse_topology", "topology_from_dict"]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine of the resolved cluster."""
+
+    index: int
+    name: str
+    ranks: int
+    first_rank: int
+    device: str
+    compute_slowdown: float
+    nics: int
+    fabric: FabricKind
+    intra_bandwidth: float
+    intra_latency: float
+
+    @property
+    def rank_range(self) -> range:
+        """The global ranks on this node."""
+        return range(self.first_rank, self.first_rank + self.ranks)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A validated topology with every default filled in and every node resolved."""
+
+    spec: TopologyFile
+    source: str
+    nodes: tuple[Node, ...]
+    rank_node: tuple[int, ...]
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        """The topology's name (the file's stem when the file gives none)."""
+        return self.spec.name or Path(self.source).stem
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the emulated job has."""
+        return len(self.rank_node)
+
+    @property
+    def network(self):
+        """The ``network`` section."""
+        return self.spec.network
+
+    @property
+    def emulation(self):
+        """The ``emulation`` section."""
+        return self.spec.emulation
+
+    @property
+    def whatif(self):
+        """The ``whatif`` section."""
+        return self.spec.whatif
+
+    def node_of(self, rank: int) -> Node:
+        """The node that holds ``rank``."""
+        return self.nodes[self.rank_node[rank]]
+
+    def local_rank(self, rank: int) -> int:
+        """The rank's index within its node."""
+        return rank - self.node_of(rank).first_rank
+
+    def with_changes(self, **sections: dict[str, Any]) -> "Topology":
+        """A new topology with fields of some sections changed, in YAML form (``whatif={'latency_scale': 2}``), re-validated."""
+        raw = copy.deepcopy(self.raw)
+        for section, changes in sections.items():
+            current = raw.get(section) or {}
+            raw[section] = {**current, **changes}
+        return topology_from_dict(raw, self.source)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that rejects duplicate keys instead of silently keeping the last."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (line {mark.line + 1})", mark
+            )
+        seen[key] = True
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Mappings whose keys may be integers: their keys print as `.3`, list indices as `[3]`.
+_MAPPING_FIELDS = {"stragglers", "overrides", "inject"}
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    prev: Any = None
+    for part in loc:
+        is_key, prev = prev in _MAPPING_FIELDS, part
+        if isinstance(part, int) and not is_key:
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _pydantic_error(source: str, exc: ValidationError) -> TopologyError:
+    err = exc.errors(include_url=False)[0]
+    path = _path(tuple(err["loc"]))
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "missing":
+        message = "required field is missing"
+    elif kind == "extra_forbidden":
+        message = f"unknown field (value {_short(value)})"
+    elif kind == "value_error":
+        message = str(err["msg"]).removeprefix("Value error, ")
+        if repr(value) not in message and not isinstance(value, (dict, list)):
+            message += f" (got {_short(value)})"
+    else:
+        message = f"{err['msg']} (got {_short(value)})"
+    return TopologyError(source, path, message)
+
+
+def parse_topology(text: str, source: str = "<string>") -> Topology:
+    """Parse YAML text into a resolved ``Topology``."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise TopologyError(where, "", f"YAML syntax error: {problem}") from None
+    if data is None:
+        raise TopologyError(source, "", "the file is empty")
+    if not isinstance(data, dict):
+        raise TopologyError(source, "", f"expected a mapping at the top level, got {type(data).__name__}")
+    return topology_from_dict(data, source)
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and resolve a topology file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TopologyError(str(p), "", "no such file") from None
+    except IsADirectoryError:
+        raise TopologyError(str(p), "", "is a directory, expected a topology YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TopologyError(str(p), "", f"cannot read: {exc}") from None
+    return parse_topology(text, str(p))
+
+
+def topology_from_dict(data: dict[str, Any], source: str = "<dict>") -> Topology:
+    """Validate a dict (the YAML's content) and resolve it."""
+    try:
+        spec = TopologyFile.model_validate(data)
+    except ValidationError as exc:
+        raise _pydantic_error(source, exc) from None
+    return _resolve(spec, source, data)
+
+
+_RANGE = re.compile(r"^(\d+)-(\d+)$")
+
+
+def _override_targets(key: str, names: dict[str, int], count: int, source: str) -> list[int]:
+    path = f"cluster.overrides.{key}"
+    if key.isdigit():
+        idx = int(key)
+        if idx >= count:
+            raise TopologyError(source, path, f"node index {idx} is out of range (the cluster has {count} nodes)")
+        return [idx]
+    m = _RANGE.match(key)
+    if m:
+        lo, hi = int(m.group(1)), int(m.group(2))
+        if lo > hi or hi >= count:
+            raise TopologyError(source, path, f"node range {key!r} is not within 0-{count - 1}")
+        return list(range(lo, hi + 1))
+    if key in names:
+        return [names[key]]
+    raise TopologyError(source, path, f"no node named {key!r} (use a node name, an index or a range like 0-3)")
+
+
+def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
+    cl = spec.cluster
+    net = spec.network
+    # Per-node settings: cluster defaults < node list entry < overrides.
+    entries: list[dict[str, Any]] = []
+    names: dict[str, int] = {}
+    for i, n in enumerate(cl.nodes):
+        name = n.name or f"node{i}"
+        if name in names:
+            raise TopologyError(source, f"cluster.nodes[{i}].name", f"duplicate node name {name!r}")
+        names[name] = i
+        entries.append({"name": name, **{k: v for k, v in n.model_dump(exclude={"name"}).items() if v is not None}})
+        if n.intra_node is not None:
+            entries[-1]["intra_node"] = n.intra_node
+    for key, ov in cl.overrides.items():
+        for idx in _override_targets(key, names, len(entries), source):
+            entries[idx].update(_override_fields(ov))
+
+    wi = spec.whatif
+    if wi.world_size is not None:
+        entries = _resize(entries, cl.ranks_per_node, wi.world_size, source)
+
+    default_nics = net.nics_per_node or (cl.ranks_per_node if net.type == "rail-optimized" else 1)
+    nodes: list[Node] = []
+    rank_node: list[int] = []
+    for i, e in enumerate(entries):
+        ranks = e.get("ranks", cl.ranks_per_node)
+        intra = e.get("intra_node", spec.intra_node)
+        bw, lat = intra.resolved()
+        nodes.append(
+            Node(
+                index=i,
+                name=e["name"],
+                ranks=ranks,
+                first_rank=len(rank_node),
+                device=e.get("device", cl.device),
+                compute_slowdown=float(e.get("compute_slowdown", 1.0)),
+                nics=e.get("nics", default_nics),
+                fabric=intra.fabric,
+                intra_bandwidth=bw,
+                intra_latency=lat,
+            )
+        )
+        rank_node.extend([i] * ranks)
+    world = len(rank_node)
+
+    em = spec.emulation
+    seen: set[int] = set()
+    for j, r in enumerate(em.real_ranks):
+        if r >= world:
+            raise TopologyError(source, f"emulation.real_ranks[{j}]", f"rank {r} does not exist (world size {world})")
+        if r in seen:
+            raise TopologyError(source, f"emulation.real_ranks[{j}]", f"rank {r} is listed twice")
+        seen.add(r)
+    if not em.real_ranks:
+        raise TopologyError(source, "emulation.real_ranks", "at least one rank must be real")
+    for r in wi.stragglers:
+        if r >= world:
+            raise TopologyError(source, f"whatif.stragglers.{r}", f"rank {r} does not exist (world size {world})")
+
+    _check_network(spec, nodes, source)
+    return Topology(spec=spec, source=source, nodes=tuple(nodes), rank_node=tuple(rank_node), raw=raw)
+
+
+def _override_fields(ov: NodeOverride) -> dict[str, Any]:
+    out = {k: v for k, v in ov.model_dump(exclude={"intra_node"}).items() if v is not None}
+    if ov.intra_node is not None:
+        out["intra_node"] = ov.intra_node
+    return out
+
+
+def _resize(entries: list[dict[str, Any]], rpn: int, world_size: int, source: str) -> list[dict[str, Any]]:
+    ranks = {e.get("ranks", rpn) for e in entries}
+    if len(ranks) != 1:
+        raise TopologyError(source, "whatif.world_size", "resizing needs every node to have the same number of ranks")
+    per = ranks.pop()
+    if world_size % per:
+        raise TopologyError(source, "whatif.world_size", f"{world_size} is not a multiple of {per} ranks per node")
+    count = world_size // per
+    out = entries[:count]
+    taken = {e["name"] for e in out}
+    i = len(out)
+    while len(out) < count:
+        name = f"node{i}"
+        while name in taken:
+            name += "x"
+        taken.add(name)
+        out.append({"name": name, "ranks": per})
+        i += 1
+    return out
+
+
+def _check_network(spec: TopologyFile, nodes: list[Node], source: str) -> None:
+    net = spec.network
+    sections = {"fat_tree": "fat-tree", "rail": "rail-optimized"}
+    for field, kind in sections.items():
+        if getattr(net, field) is not None and net.type != kind:
+            raise TopologyError(source, f"network.{field}", f"only allowed with type {kind!r} (type is {net.type!r})")
+    if net.type != "links":
+        if net.links:
+            raise TopologyError(source, "network.links", f"only allowed with type 'links' (type is {net.type!r})")
+        if net.switches:
+            raise TopologyError(source, "network.switches", f"only allowed with type 'links' (type is {net.type!r})")
+    if net.type == "fat-tree":
+        k = net.fat_tree.k if net.fat_tree else None
+        ports = sum(n.nics for n in nodes)
+        if k is not None and k**3 // 4 < ports:
+            raise TopologyError(
+                source, "network.fat_tree.k", f"k={k} holds {k**3 // 4} NICs, the cluster has {ports}"
+            )
+    if net.type == "links":
+        _check_links(net, nodes, source)
+
+
+def _check_links(net, nodes: list[Node], source: str) -> None:
+    if not net.links:
+        raise TopologyError(source, "network.links", "type 'links' needs at least one link")
+    by_name = {n.name: n for n in nodes}
+    switches: set[str] = set()
+    for i, s in enumerate(net.switches):
+        if s in by_name or s in switches:
+            raise TopologyError(source, f"network.switches[{i}]", f"duplicate name {s!r}")
+        switches.add(s)
+    for i, link in enumerate(net.links):
+        a, b = link.endpoints
+        if a == b:
+            raise TopologyError(source, f"network.links[{i}].endpoints", f"a link needs two different ends, got {a!r} twice")
+        for j, end in enumerate((a, b)):
+            if end in switches:
+                continue
+            name, _, nic = end.partition(":")
+            node = by_name.get(name)
+            if node is None:
+                raise TopologyError(
+                    source, f"network.links[{i}].endpoints[{j}]", f"{end!r} is neither a node nor a listed switch"
+                )
+            if nic and (not nic.isdigit() or int(nic) >= node.nics):
+                raise TopologyError(
+                    source, f"network.links[{i}].endpoints[{j}]", f"{end!r}: node {name} has NICs 0-{node.nics - 1}"
+                )
+
+
+def effective_link(base: LinkSpec, override: Any) -> LinkSpec:
+    """``base`` with the fields that ``override`` sets replaced."""
+    if override is None:
+        return base
+    changes = {k: v for k, v in override.model_dump(include={"bandwidth", "latency", "jitter", "loss"}).items() if v is not None}
+    return base.model_copy(update=changes)

@@ -1,0 +1,148 @@
+"""Strings with units <-> numbers in base units (bytes, bytes/second, seconds), parsed strictly.
+
+Bandwidths are stored in bytes per second, durations in seconds, sizes in bytes. Network
+people write bits (``100Gbps``), storage people write bytes (``25GB/s``); both are accepted
+and nothing else is: a bare number is ambiguous and rejected, as is an unknown suffix.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "UnitError",
+    "parse_bandwidth",
+    "parse_duration",
+    "parse_size",
+    "parse_ratio",
+    "format_bandwidth",
+    "format_duration",
+    "format_size",
+    "BANDWIDTH_EXAMPLES",
+    "DURATION_EXAMPLES",
+    "SIZE_EXAMPLES",
+    "RATIO_EXAMPLES",
+]
+
+
+class UnitError(ValueError):
+    """A string that is not a valid quantity of the expected kind."""
+
+
+_NUMBER = r"(?P<num>[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)"
+
+# Decimal prefixes for bits and SI bytes, binary prefixes for KiB and friends.
+_DEC = {"": 1.0, "K": 1e3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BIN = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}
+
+
+def _bandwidth_units() -> dict[str, float]:
+    units: dict[str, float] = {}
+    for p, m in _DEC.items():
+        # bits per second: 100Gbps, 100Gbit/s, 100 Gb/s
+        for suffix in ("bps", "bit/s", "b/s", "bit"):
+            units[p + suffix] = m / 8.0
+        # bytes per second: 25GB/s, 25GBps
+        for suffix in ("B/s", "Bps"):
+            units[p + suffix] = m
+    for p, m in _BIN.items():
+        for suffix in ("B/s", "Bps"):
+            units[p + suffix] = m
+        for suffix in ("bit/s", "bps"):
+            units[p + suffix] = m / 8.0
+    return units
+
+
+_BANDWIDTH = _bandwidth_units()
+_DURATION = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
+_SIZE = {**{p + "B": m for p, m in _DEC.items() if p != "k"}, "kB": 1e3, **{p + "B": m for p, m in _BIN.items()}}
+
+BANDWIDTH_EXAMPLES = "100Gbps, 400Gbit/s, 25GB/s, 1Mbps"
+DURATION_EXAMPLES = "5us, 1.5ms, 2s, 500ns"
+SIZE_EXAMPLES = "8B, 64MiB, 1GB"
+RATIO_EXAMPLES = "0.1%, 0.001"
+
+_PATTERN = re.compile(r"^\s*" + _NUMBER + r"\s*(?P<unit>[^\s0-9.][^\s]*)?\s*$")
+
+
+def _split(text: object, kind: str, examples: str) -> tuple[float, str]:
+    if isinstance(text, bool) or not isinstance(text, str):
+        raise UnitError(f"expected a {kind} with a unit as a string (e.g. {examples}), got {text!r}")
+    m = _PATTERN.match(text)
+    if not m or m.group("unit") is None:
+        raise UnitError(f"invalid {kind} {text!r} (expected a number and a unit, e.g. {examples})")
+    return float(m.group("num")), m.group("unit")
+
+
+def parse_bandwidth(text: object) -> float:
+    """Parse ``100Gbps``/``25GB/s`` into bytes per second (must be > 0)."""
+    num, unit = _split(text, "bandwidth", BANDWIDTH_EXAMPLES)
+    if unit not in _BANDWIDTH:
+        raise UnitError(f"invalid bandwidth {text!r}: unknown unit {unit!r} (e.g. {BANDWIDTH_EXAMPLES})")
+    value = num * _BANDWIDTH[unit]
+    if value <= 0:
+        raise UnitError(f"invalid bandwidth {text!r}: must be greater than zero")
+    return value
+
+
+def parse_duration(text: object) -> float:
+    """Parse ``5us``/``2ms`` into seconds (>= 0)."""
+    num, unit = _split(text, "duration", DURATION_EXAMPLES)
+    if unit not in _DURATION:
+        raise UnitError(f"invalid duration {text!r}: unknown unit {unit!r} (e.g. {DURATION_EXAMPLES})")
+    return num * _DURATION[unit]
+
+
+def parse_size(text: object) -> int:
+    """Parse ``64MiB``/``1GB``/``8B`` into a whole number of bytes."""
+    num, unit = _split(text, "size", SIZE_EXAMPLES)
+    if unit not in _SIZE:
+        raise UnitError(f"invalid size {text!r}: unknown unit {unit!r} (e.g. {SIZE_EXAMPLES})")
+    value = num * _SIZE[unit]
+    if value != int(value):
+        raise UnitError(f"invalid size {text!r}: not a whole number of bytes")
+    return int(value)
+
+
+def parse_ratio(text: object) -> float:
+    """Parse ``0.1%`` or a plain fraction like ``0.001`` into a fraction in [0, 1]."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    elif isinstance(text, str):
+        s = text.strip()
+        try:
+            value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
+        except ValueError:
+            raise UnitError(f"invalid ratio {text!r} (e.g. {RATIO_EXAMPLES})") from None
+    else:
+        raise UnitError(f"invalid ratio {text!r} (e.g. {RATIO_EXAMPLES})")
+    if not 0.0 <= value <= 1.0:
+        raise UnitError(f"invalid ratio {text!r}: must lie between 0 and 100%")
+    return value
+
+
+def _scaled(value: float, steps: list[tuple[float, str]], precision: int) -> str:
+    for factor, unit in steps:
+        if abs(value) >= factor:
+            return f"{value / factor:.{precision}g}{unit}"
+    factor, unit = steps[-1]
+    return f"{value / factor:.{precision}g}{unit}"
+
+
+def format_bandwidth(bytes_per_s: float, bits: bool = True) -> str:
+    """Format bytes/second as ``100Gbps`` (bits) or ``12.5GB/s`` (bytes)."""
+    if bits:
+        return _scaled(bytes_per_s * 8, [(1e12, "Tbps"), (1e9, "Gbps"), (1e6, "Mbps"), (1e3, "Kbps"), (1, "bps")], 4)
+    return _scaled(bytes_per_s, [(1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s"), (1e3, "KB/s"), (1, "B/s")], 4)
+
+
+def format_duration(seconds: float) -> str:
+    """Format seconds as ``5us``, ``1.5ms``, ``2s``."""
+    if seconds == 0:
+        return "0s"
+    return _scaled(seconds, [(1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")], 4)
+
+
+def format_size(nbytes: float) -> str:
+    """Format a byte count with binary prefixes: ``64MiB``."""
+    return _scaled(nbytes, [(2.0**40, "TiB"), (2.0**30, "GiB"), (2.0**20, "MiB"), (2.0**10, "KiB"), (1, "B")], 4)
