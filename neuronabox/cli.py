@@ -174,28 +174,16 @@ def bench(
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nbox`` console script."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Standalone mode: click prints usage errors itself and exits 2; our InputError is not
+        # one of click's exceptions, so it comes through here.
+        app(args=argv, prog_name="nbox")
     except InputError as exc:
         if _state["debug"]:
             raise
         print(f"nbox: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("nbox: interrupted", file=sys.stderr)
-        return 130
-    except typer.Exit as exc:
-        return exc.exit_code
-    except SystemExit as exc:  # click's own --help/usage handling
-        return exc.code if isinstance(exc.code, int) else 1
-    except Exception as exc:  # click usage errors come through here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
-            return 1
-        raise
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0
 
 

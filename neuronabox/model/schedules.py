@@ -45,20 +45,21 @@ def _tree_edges(n: int) -> list[list[tuple[int, int]]]:
 
 
 def binary_tree(
-    order: Sequence[int], nbytes: float, level_time: float, phase: str, up: bool, down: bool, t0: float = 0.0
+    order: Sequence[int], nbytes: float, alpha: float, transfer: float, phase: str, up: bool, down: bool, t0: float = 0.0
 ) -> list[Step]:
-    """A reduce up the tree (children to parents) and/or a broadcast down (parents to children), level by level."""
+    """A pipelined reduce up the tree and/or broadcast down it: levels start one ``alpha`` apart, each streams for ``transfer``."""
     levels = _tree_edges(len(order))
     out: list[Step] = []
     t = t0
     if up:
-        for lvl in reversed(levels):
-            out.extend(Step(t, t + level_time, order[c], order[p], nbytes, f"{phase} up") for p, c in lvl)
-            t += level_time
+        for j, lvl in enumerate(reversed(levels)):
+            start = t + j * alpha
+            out.extend(Step(start, start + alpha + transfer, order[c], order[p], nbytes, f"{phase} up") for p, c in lvl)
+        t += len(levels) * alpha + transfer
     if down:
-        for lvl in levels:
-            out.extend(Step(t, t + level_time, order[p], order[c], nbytes, f"{phase} down") for p, c in lvl)
-            t += level_time
+        for j, lvl in enumerate(levels):
+            start = t + j * alpha
+            out.extend(Step(start, start + alpha + transfer, order[p], order[c], nbytes, f"{phase} down") for p, c in lvl)
     return out
 
 

@@ -1,0 +1,200 @@
+"""The nccl delay model: NCCL's tuning formulas, selection, schedules and errors."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neuronabox.collectives import Op, busbw_factor
+from neuronabox.errors import TopologyError
+from neuronabox.model import nccl
+from neuronabox.model.base import Group
+from neuronabox.model.registry import create_model
+from neuronabox.topology import parse_topology
+
+H100 = """
+cluster: {{nodes: {nodes}, ranks_per_node: {rpn}, device: H100}}
+intra_node: {{fabric: nvlink, bandwidth: 450GB/s, latency: 1us}}
+network: {{type: rail-optimized, link: {{bandwidth: 400Gbps, latency: 2us}}}}
+emulation: {{model: nccl, algorithm: {algo}, protocol: {proto}, nccl_version: "{version}"}}
+"""
+
+
+def topo(nodes=1, rpn=8, algo="auto", proto="auto", version="2.28"):
+    return parse_topology(H100.format(nodes=nodes, rpn=rpn, algo=algo, proto=proto, version=version), "t.yaml")
+
+
+@pytest.fixture(scope="module")
+def single():
+    return create_model(topo(), "nccl")
+
+
+@pytest.fixture(scope="module")
+def multi():
+    return create_model(topo(nodes=4), "nccl")
+
+
+def test_ring_simple_all_reduce_matches_hand_computed_formula():
+    model = create_model(topo(), "nccl", algorithm="ring", protocol="Simple")
+    size = 1 << 30
+    est = model.estimate(Op.ALL_REDUCE, size, range(8))
+    # Channel search on sm90: 450 GB/s // 60 = 7 channels at 60 GB/s, duplicated to 14 at 30.
+    bus_bw = 14 * 30.0
+    alg_bw = bus_bw * 8 / (2 * 7)  # ring ratio nRanks / nsteps
+    # baseLat ring/Simple 8.4 us + nsteps (14) x NVLink ring/Simple hwLat 3.4 us; single node, no inter steps.
+    latency = 8.4 + 14 * 3.4
+    assert (est.algorithm, est.protocol) == ("ring", "Simple")
+    assert est.duration == pytest.approx((latency + size / (1000 * alg_bw)) * 1e-6, rel=1e-9)
+
+
+def test_tree_ll_multi_node_latency_matches_formula():
+    model = create_model(topo(nodes=4), "nccl", algorithm="tree", protocol="LL")
+    graph = model.graph
+    lat_inter_us = (graph.route_latency(0, 8) + graph.route_latency(8, 16) + graph.route_latency(16, 24)
+                    + graph.route_latency(24, 0)) / 4 * 1e6
+    est = model.estimate(Op.ALL_REDUCE, 0, range(32))
+    # baseLat 6.8 + 2 * ((32/4 - 1) * NVLink tree/LL 0.6 + log2(4) * (NET tree/LL 5.0 + latencyInter)).
+    expected = 6.8 + 2 * (7 * 0.6 + 2 * (5.0 + lat_inter_us))
+    assert est.duration == pytest.approx(expected * 1e-6, rel=1e-9)
+
+
+def _forced(topology, op, nbytes, ranks):
+    out = {}
+    for algo in nccl.NcclModel.algorithms:
+        for proto in nccl.NcclModel.protocols:
+            est = create_model(topology, "nccl", algorithm=algo, protocol=proto).estimate(op, nbytes, ranks)
+            if (est.algorithm, est.protocol) == (algo, proto):  # not a fallback
+                out[(algo, proto)] = est.duration
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+@pytest.mark.parametrize("op", [Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.BROADCAST])
+@pytest.mark.parametrize("nbytes", [8, 1 << 16, 1 << 22, 1 << 30])
+def test_auto_is_the_minimum_over_enumerated_candidates(nodes, op, nbytes):
+    t = topo(nodes=nodes)
+    ranks = range(8 * nodes)
+    candidates = _forced(t, op, nbytes, ranks)
+    auto = create_model(t, "nccl").estimate(op, nbytes, ranks)
+    best = min(candidates, key=candidates.get)
+    assert auto.duration == pytest.approx(candidates[best], rel=1e-12)
+    assert (auto.algorithm, auto.protocol) == best
+
+
+def test_ll_for_tiny_messages_simple_or_ll128_for_large(single, multi):
+    for model, n in ((single, 8), (multi, 32)):
+        assert model.estimate(Op.ALL_REDUCE, 8, range(n)).protocol == "LL"
+        assert model.estimate(Op.ALL_REDUCE, 1 << 30, range(n)).protocol in ("Simple", "LL128")
+
+
+def test_large_ring_bus_bandwidth_approaches_per_rank_bandwidth():
+    model = create_model(topo(), "nccl", algorithm="ring", protocol="Simple")
+    size = 16 << 30
+    est = model.estimate(Op.ALL_REDUCE, size, range(8))
+    busbw = size / est.duration * busbw_factor(Op.ALL_REDUCE, 8)
+    # NCCL's search fits 14 x 30 GB/s channels under the 450 GB/s per-rank NVLink bandwidth.
+    assert 0.9 * 450e9 <= busbw <= 450e9
+    assert busbw == pytest.approx(420e9, rel=1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.integers(min_value=0, max_value=1 << 34),
+    b=st.integers(min_value=0, max_value=1 << 34),
+    op=st.sampled_from([Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.BROADCAST, Op.REDUCE, Op.ALL_TO_ALL,
+                        Op.GATHER, Op.SCATTER, Op.SEND_RECV]),
+    nodes=st.sampled_from([1, 4]),
+)
+def test_duration_is_monotonic_in_bytes(a, b, op, nodes):
+    model = _MODELS[nodes]
+    lo, hi = sorted((a, b))
+    ranks = range(8 * nodes)
+    assert model.estimate(op, lo, ranks).duration <= model.estimate(op, hi, ranks).duration
+
+
+_MODELS = {1: create_model(topo(), "nccl"), 4: create_model(topo(nodes=4), "nccl")}
+
+
+def test_forcing_algorithm_and_protocol(single):
+    forced = create_model(topo(algo="tree", proto="LL128"), "nccl")
+    est = forced.estimate(Op.ALL_REDUCE, 1 << 20, range(8))
+    assert (est.algorithm, est.protocol) == ("tree", "LL128")
+    only_simple = create_model(topo(proto="Simple"), "nccl")
+    assert only_simple.estimate(Op.ALL_REDUCE, 8, range(8)).protocol == "Simple"
+    # Tree has no all-gather in NCCL: ring stays available as the backup.
+    assert forced.estimate(Op.ALL_GATHER, 1 << 20, range(8)).algorithm == "ring"
+
+
+def test_unsupported_algorithm_names_emulation_algorithm():
+    with pytest.raises(TopologyError) as err:
+        create_model(topo(algo="collnet_direct"), "nccl")
+    assert err.value.path == "emulation.algorithm"
+
+
+def test_unknown_nccl_version_names_emulation_nccl_version():
+    with pytest.raises(TopologyError) as err:
+        create_model(topo(version="2.3"), "nccl")
+    assert err.value.path == "emulation.nccl_version"
+    assert "2.28" in err.value.detail
+
+
+def test_nccl_patch_release_uses_its_minor_constants():
+    assert create_model(topo(version="2.28.9"), "nccl").release == "2.28"
+
+
+@pytest.mark.parametrize("op", list(Op))
+@pytest.mark.parametrize("nodes,ranks", [(1, range(8)), (1, [0, 3]), (4, range(32)), (4, [0, 8, 16, 24])])
+def test_every_op_has_positive_finite_duration(op, nodes, ranks):
+    model = _MODELS[nodes]
+    est = model.estimate(op, 1 << 20, ranks)
+    assert 0 < est.duration < math.inf
+    assert est.steps(), "every multi-rank collective has a schedule"
+
+
+def test_single_rank_group_is_free(single):
+    est = single.estimate(Op.ALL_REDUCE, 1 << 30, [3])
+    assert est.duration == 0.0 and est.steps() == []
+
+
+def test_nvls_only_on_single_node_hopper_nvlink(single, multi):
+    assert single.estimate(Op.ALL_REDUCE, 1 << 30, range(8)).algorithm == "nvls"
+    assert multi.estimate(Op.ALL_REDUCE, 1 << 30, range(32)).algorithm != "nvls"
+    text = H100.format(nodes=1, rpn=8, algo="auto", proto="auto", version="2.28")
+    a100 = parse_topology(text.replace("H100", "A100"))
+    assert create_model(a100, "nccl").estimate(Op.ALL_REDUCE, 1 << 30, range(8)).algorithm != "nvls"
+
+
+def test_pat_for_one_rank_per_node():
+    model = create_model(topo(nodes=16, rpn=1), "nccl")
+    assert model.estimate(Op.ALL_GATHER, 1 << 16, range(16)).algorithm == "pat"
+
+
+def test_latency_whatif_changes_inter_node_estimates(multi):
+    slow = create_model(topo(nodes=4).with_changes(whatif={"latency_scale": 10}), "nccl")
+    for op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.BROADCAST, Op.ALL_TO_ALL):
+        assert slow.estimate(op, 8, range(32)).duration > multi.estimate(op, 8, range(32)).duration
+
+
+def test_ring_all_reduce_schedule():
+    model = create_model(topo(), "nccl", algorithm="ring", protocol="Simple")
+    n, size = 8, 1 << 24
+    est = model.estimate(Op.ALL_REDUCE, size, range(n))
+    steps = est.steps()
+    assert len(steps) == 2 * (n - 1) * n
+    assert sum(s.nbytes for s in steps) == pytest.approx(2 * (n - 1) * size)
+    assert max(s.end for s in steps) == pytest.approx(est.duration)
+    assert all(s.dst == (s.src + 1) % n for s in steps)
+
+
+def test_cached_estimates_are_fast(multi):
+    group = Group(range(32))
+    multi.estimate(Op.ALL_REDUCE, 1 << 20, group)
+    start = time.perf_counter()
+    for _ in range(10_000):
+        multi.estimate(Op.ALL_REDUCE, 1 << 20, group)
+    rate = 10_000 / (time.perf_counter() - start)
+    assert rate >= 50_000, f"{rate:.0f} estimates/s"
