@@ -120,6 +120,10 @@ def test_ring_busbw_approaches_link_bandwidth():
 
 
 ALGOS = ("ring", "tree", "rhd", "direct", "hier-ring", "hier-tree", "hier-rhd", "hier-direct")
+MULTI_GLOO = topo(
+    "cluster: {nodes: 6, ranks_per_node: 4}\nemulation: {library: gloo}\n"
+    "network: {type: switch, link: {bandwidth: 25Gbps, latency: 2us}}\n"
+)
 MULTI = topo(
     "cluster: {nodes: 6, ranks_per_node: 4}\n"
     "network: {type: fat-tree, link: {bandwidth: 25Gbps, latency: 2us}, fat_tree: {oversubscription: 2}}\n"
@@ -161,7 +165,7 @@ def test_monotonic_in_bandwidth_and_latency(op, algo, size, scale):
 
 
 def test_every_op_and_algorithm_is_positive_and_has_a_schedule():
-    for algo in ALGOS:
+    for algo in ("auto",) + ALGOS:
         m = create_model(MULTI, "alpha-beta", algorithm=algo)
         for op in Op:
             est = m.estimate(op, 1 << 20, range(24))
@@ -169,6 +173,14 @@ def test_every_op_and_algorithm_is_positive_and_has_a_schedule():
             steps = est.steps()
             assert steps and all(0 <= s.start <= s.end <= est.duration * (1 + 1e-9) for s in steps), (algo, op)
             assert all(s.src != s.dst for s in steps)
+
+
+def test_auto_covers_every_op_for_both_libraries():
+    for t in (MULTI, MULTI_GLOO):
+        m = create_model(t, "alpha-beta", algorithm="auto")
+        for op in Op:
+            for size in (0, 8, 1 << 20, 1 << 30):
+                assert m.estimate(op, size, range(24)).duration > 0
 
 
 def test_ring_schedule_moves_the_right_bytes():

@@ -220,7 +220,9 @@ class AlphaBetaModel(CommModel):
     def __init__(self, topology, graph=None, *, algorithm=None, protocol=None):
         super().__init__(topology, graph, algorithm=algorithm, protocol=protocol)
         self._params: dict[Group, _Params] = {}
-        self._auto = AUTO_CANDIDATES.get(topology.emulation.library, ("ring",))
+        auto = AUTO_CANDIDATES.get(topology.emulation.library, ("ring",))
+        # Per op, the candidates that have it (nccl has no tree all-gather).
+        self._auto = {op: tuple(a for a in auto if op in FORMULAS[a]) or ("ring",) for op in Op}
 
     # ---- per-group parameters ------------------------------------------------------------
     def params(self, group: Group) -> _Params:
@@ -300,7 +302,7 @@ class AlphaBetaModel(CommModel):
             choice = _NCCL_P2P_LIKE.get(op) if self.topology.emulation.library == "nccl" else None
             if choice is None:
                 best, choice = math.inf, "ring"
-                for cand in self._auto:
+                for cand in self._auto[op]:
                     t = self._time(cand, op, p, nbytes)
                     if t < best:
                         best, choice = t, cand
