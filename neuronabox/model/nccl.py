@@ -250,15 +250,9 @@ class NcclModel(CommModel):
     algorithms = ("ring", "tree", "nvls", "nvls_tree", "pat")
     protocols = PROTO_NAMES
 
-    def __init__(
-        self,
-        topology: Topology,
-        graph: ClusterGraph | None = None,
-        *,
-        algorithm: str | None = None,
-        protocol: str | None = None,
-    ):
-        super().__init__(topology, graph, algorithm=algorithm, protocol=protocol)
+    def __init__(self, topology: Topology, graph: ClusterGraph | None = None, **choices: str | None):
+        # algorithm/protocol are checked against `algorithms`/`protocols` by the registry.
+        super().__init__(topology, graph, **choices)
         version = topology.emulation.nccl_version
         release = next((r for r in SUPPORTED_RELEASES if version == r or version.startswith(r + ".")), None)
         if release is None:
@@ -269,10 +263,6 @@ class NcclModel(CommModel):
             )
         self.release = release
         self.c = _CONSTANTS[release]
-        if self.algorithm not in ("auto", *self.algorithms):
-            choices = ", ".join(self.algorithms)
-            message = f"{self.algorithm!r} is not an algorithm of model 'nccl' (choose from auto, {choices})"
-            raise TopologyError(topology.source, "emulation.algorithm", message)
         if self.protocol not in ("auto", *self.protocols):
             choices = ", ".join(self.protocols)
             message = f"{self.protocol!r} is not a protocol of model 'nccl' (choose from auto, {choices})"

@@ -71,22 +71,23 @@ def create_model(
     src = topology.source
     chosen = name if name is not None else topology.emulation.model
     cls = model_class(chosen, None if name is not None else (src, "emulation.model"))
-    algo = algorithm if algorithm is not None else topology.emulation.algorithm
-    if algo != "auto" and cls.algorithms and algo not in cls.algorithms:
-        message = f"{algo!r} is not an algorithm of model {chosen!r} (choose from auto, {', '.join(cls.algorithms)})"
-        if algorithm is not None:
-            raise InputError(f"--algorithm: {message}")
-        raise TopologyError(src, "emulation.algorithm", message)
-    proto = protocol if protocol is not None else topology.emulation.protocol
-    if proto != "auto" and cls.protocols and proto not in cls.protocols:
-        message = f"{proto!r} is not a protocol of model {chosen!r} (choose from auto, {', '.join(cls.protocols)})"
-        if protocol is not None:
-            raise InputError(f"--protocol: {message}")
-        raise TopologyError(src, "emulation.protocol", message)
+    algo = _choice("algorithm", algorithm, topology.emulation.algorithm, cls.algorithms, chosen, src)
+    proto = _choice("protocol", protocol, topology.emulation.protocol, cls.protocols, chosen, src)
     model = cls(topology, graph, algorithm=algo, protocol=proto)
     if whatif and topology.whatif.inject:
         return WhatIfModel(model)
     return model
+
+
+def _choice(kind: str, flag: str | None, from_file: str, allowed: tuple[str, ...], model: str, src: str) -> str:
+    """The flag's value or the file's, checked against what the model offers; errors name where it came from."""
+    value = flag if flag is not None else from_file
+    if value == "auto" or not allowed or value in allowed:
+        return value
+    message = f"{value!r} is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} of model {model!r} (choose from auto, {', '.join(allowed)})"
+    if flag is not None:
+        raise InputError(f"--{kind}: {message}")
+    raise TopologyError(src, f"emulation.{kind}", message)
 
 
 class WhatIfModel(CommModel):
