@@ -1,8 +1,4 @@
-"""The ``nbox`` command: parses arguments, calls one function per verb, prints.
-
-Exit codes: 0 success, 1 the run failed, 2 bad usage or bad input (one line naming the file,
-the YAML path and the value; a traceback only with ``--debug``).
-"""
+"""Verbs about topologies and models: schema, show, models, bench."""
 
 from __future__ import annotations
 
@@ -12,44 +8,15 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 
-from .errors import InputError
-
-app = typer.Typer(
-    name="nbox",
-    help="NeuronaBox: emulate distributed DNN training on one node.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-console = Console()
-_state = {"debug": False}
-
-
-@app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")) -> None:
-    _state["debug"] = debug
-
-
-def _load(path: Path, inject=(), latency_scale=None, bandwidth_scale=None, stragglers=(), world_size=None):
-    from .topology import load_topology
-    from .topology.whatif import apply_whatif_flags
-
-    topo = load_topology(path)
-    return apply_whatif_flags(topo, inject, latency_scale, bandwidth_scale, stragglers, world_size)
-
-
-_INJECT = typer.Option([], "--inject", help="Extra latency per collective, e.g. all_reduce=+2ms (repeatable).")
-_LAT = typer.Option(None, "--latency-scale", help="Multiply every latency.")
-_BW = typer.Option(None, "--bandwidth-scale", help="Multiply every network bandwidth.")
-_WORLD = typer.Option(None, "--world-size", help="Grow or shrink the cluster to this many ranks.")
+from ..errors import InputError
+from . import BANDWIDTH_SCALE, INJECT, LATENCY_SCALE, WORLD_SIZE, app, console, load
 
 
 @app.command()
 def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of stdout.")) -> None:
     """Print the JSON Schema of topology files."""
-    from .topology.schema import json_schema
+    from ..topology.schema import json_schema
 
     text = json.dumps(json_schema(), indent=2) + "\n"
     if output:
@@ -65,13 +32,13 @@ def show(
     png: Optional[Path] = typer.Option(None, "--png", help="Draw the graph into this PNG file."),
     dot: Optional[Path] = typer.Option(None, "--dot", help="Write the graph as Graphviz dot."),
     route: List[str] = typer.Option([], "--route", help="Print the route between two ranks, e.g. 0:9 (repeatable)."),
-    world_size: Optional[int] = _WORLD,
+    world_size: Optional[int] = WORLD_SIZE,
 ) -> None:
     """Summarize a topology; optionally draw it or print routes."""
-    from .report.topology_view import route_table, summary_tables, write_dot, write_png
-    from .topology.graph import ClusterGraph
+    from ..report.topology_view import route_table, summary_tables, write_dot, write_png
+    from ..topology.graph import ClusterGraph
 
-    topo = _load(topology, world_size=world_size)
+    topo = load(topology, world_size=world_size)
     graph = ClusterGraph(topo)
     for table in summary_tables(topo, graph):
         console.print(table)
@@ -93,7 +60,7 @@ def models() -> None:
     """List the delay models (built-in and plugins) and their algorithms."""
     from rich.table import Table
 
-    from .model.registry import available_models, model_class
+    from ..model.registry import available_models, model_class
 
     t = Table(title="delay models", title_justify="left")
     for col in ("name", "source", "algorithms", "description"):
@@ -122,18 +89,18 @@ def bench(
     dtype: str = typer.Option("float", "-d", "--datatype", help="Element type: " + ", ".join(["int8", "half", "bfloat16", "float", "double"])),
     root: int = typer.Option(0, "-r", "--root", help="Root (index in the communicator) of rooted collectives."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write the rows as JSON to this file ('-' for stdout)."),
-    inject: List[str] = _INJECT,
-    latency_scale: Optional[float] = _LAT,
-    bandwidth_scale: Optional[float] = _BW,
-    world_size: Optional[int] = _WORLD,
+    inject: List[str] = INJECT,
+    latency_scale: Optional[float] = LATENCY_SCALE,
+    bandwidth_scale: Optional[float] = BANDWIDTH_SCALE,
+    world_size: Optional[int] = WORLD_SIZE,
 ) -> None:
     """The nccl-tests table, from the model: time, algbw and busbw per size."""
-    from .collectives import Op
-    from .model.bench import DTYPES, parse_bench_size, parse_ranks, run_bench, sweep_sizes
-    from .model.registry import create_model
-    from .report.nccl_tests import format_table
+    from ..collectives import Op
+    from ..model.bench import DTYPES, parse_bench_size, parse_ranks, run_bench, sweep_sizes
+    from ..model.registry import create_model
+    from ..report.nccl_tests import format_table
 
-    topo = _load(topology, inject, latency_scale, bandwidth_scale, (), world_size)
+    topo = load(topology, inject, latency_scale, bandwidth_scale, (), world_size)
     try:
         ops = list(Op) if op == "all" else [Op.parse(op)]
     except ValueError as exc:
@@ -169,23 +136,3 @@ def bench(
         sys.stdout.write(format_table([r for r in rows if r.op == o.value], header if i == 0 else []) + "\n\n")
     if json_out:
         console.print(f"wrote {json_out}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``nbox`` console script."""
-    try:
-        # Standalone mode: click prints usage errors itself and exits 2; our InputError is not
-        # one of click's exceptions, so it comes through here.
-        app(args=argv, prog_name="nbox")
-    except InputError as exc:
-        if _state["debug"]:
-            raise
-        print(f"nbox: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

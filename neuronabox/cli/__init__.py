@@ -1,0 +1,65 @@
+"""The ``nbox`` command: parses arguments, calls one function per verb, prints.
+
+Exit codes: 0 success, 1 the run failed, 2 bad usage or bad input (one line naming the file,
+the YAML path and the value; a traceback only with ``--debug``). Each verb family lives in its
+own module and registers itself on ``app``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from ..errors import InputError
+
+app = typer.Typer(
+    name="nbox",
+    help="NeuronaBox: emulate distributed DNN training on one node.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+_state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")) -> None:
+    _state["debug"] = debug
+
+
+def load(path: Path, inject=(), latency_scale=None, bandwidth_scale=None, stragglers=(), world_size=None):
+    """Load a topology file and merge command-line what-if knobs over it."""
+    from ..topology import load_topology
+    from ..topology.whatif import apply_whatif_flags
+
+    topo = load_topology(path)
+    return apply_whatif_flags(topo, inject, latency_scale, bandwidth_scale, stragglers, world_size)
+
+
+INJECT = typer.Option([], "--inject", help="Extra latency per collective, e.g. all_reduce=+2ms (repeatable).")
+LATENCY_SCALE = typer.Option(None, "--latency-scale", help="Multiply every latency.")
+BANDWIDTH_SCALE = typer.Option(None, "--bandwidth-scale", help="Multiply every network bandwidth.")
+WORLD_SIZE = typer.Option(None, "--world-size", help="Grow or shrink the cluster to this many ranks.")
+
+# Verb modules register their commands on `app` when imported.
+from . import model_cmds  # noqa: E402,F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``nbox`` console script."""
+    try:
+        # Standalone mode: click prints usage errors itself and exits 2; our InputError is not
+        # one of click's exceptions, so it comes through here.
+        app(args=argv, prog_name="nbox")
+    except InputError as exc:
+        if _state["debug"]:
+            raise
+        print(f"nbox: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
