@@ -1,0 +1,709 @@
+"""The ``nbox`` torch.distributed backend: a pure-Python ProcessGroup whose peers are emulated.
+
+Each collective (1) applies the mirror data semantics of DESIGN.md (every emulated peer
+holds the same data as the real rank: SUM all-reduce gives x*n, all-gather n copies, ...),
+(2) is queued on its communicator's FIFO ``Timeline`` and (3) returns a ``Work`` that
+completes at the modeled finish time.
+
+CPU tensors: the data is written at the call (a caller may read outputs only after
+``wait()``, as with any backend); ``wait()`` sleeps until the finish time in the calling
+thread; a future, when someone asks for one (DDP's reducer does), is completed by the single
+``Waker`` thread at the finish time. CUDA tensors: ``cuda_wait`` enqueues a device-side timed
+wait and the data operations on the communicator's stream; ``wait()`` makes the caller's
+stream wait on an event, the CPU never blocks and no host thread is involved.
+
+send/recv: a recv from an emulated peer yields a copy of the last tensor of the same shape,
+dtype and device that the real rank sent to anyone in that group (mirror semantics: the
+peer is at the same point of the same program and sent what we sent), else zeros.
+
+Calls from C++ (DDP's reducer, ``_broadcast_coalesced``, functional collectives) reach
+Python through the ProcessGroup trampoline (torch/csrc/distributed/c10d/PyProcessGroup.hpp),
+which looks methods up by their torch 2.13 names: ``all_gather_single``,
+``reduce_scatter_single``, ``all_to_all_single`` and the ``*_single_coalesced`` pair (it
+falls back to the older ``allgather_into_tensor_coalesced`` / ``reduce_scatter_tensor_coalesced``
+/ ``alltoall_base``). The older Python names (``_allgather_base``, ``_reduce_scatter_base``)
+are kept as aliases for other torch versions.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import Op
+from ..model.base import Group
+from . import cuda_wait
+from .emulator import Emulator, current
+from .timeline import OpRecord, Timeline, clock, sleep_until, tune_thread_timer_slack
+
+__all__ = ["BACKEND_NAME", "NboxProcessGroup", "NboxWork", "register", "create_process_group", "UnsupportedCollective"]
+
+BACKEND_NAME = "nbox"
+
+_RedOp = dist.ReduceOp.RedOpType
+_CPU = torch.device("cpu")
+_warned_cuda_fallback = False
+
+
+class UnsupportedCollective(NotImplementedError):
+    """A torch.distributed call the nbox backend does not emulate."""
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _reduce_inplace(t: torch.Tensor, op, n: int) -> None:
+    """Reduce ``n`` identical copies of ``t`` into ``t`` (``op`` is a ReduceOp)."""
+    kind = op.op
+    if kind == _RedOp.SUM:
+        if n != 1 and t.dtype != torch.bool:  # a bool SUM is an OR: x | x = x
+            t.mul_(n)
+    elif kind == _RedOp.AVG or kind == _RedOp.MAX or kind == _RedOp.MIN or kind == _RedOp.BAND or kind == _RedOp.BOR:
+        pass
+    elif kind == _RedOp.PRODUCT:
+        if n != 1:
+            t.pow_(n)
+    elif kind == _RedOp.PREMUL_SUM:
+        # torch: every rank multiplies its input by the factor, then the inputs are summed.
+        factor = op.factor
+        if isinstance(factor, torch.Tensor):
+            t.mul_(factor.to(device=t.device, dtype=t.dtype) * n)
+        else:
+            t.mul_(factor * n)
+    elif kind == _RedOp.BXOR:
+        if n % 2 == 0:
+            t.zero_()
+    else:
+        raise UnsupportedCollective(f"nbox: reduce operation {kind} is not supported")
+
+
+def _no_grad_call(fn: Callable[[], None]) -> None:
+    # torch.no_grad() as a context manager costs a few microseconds per op; the raw switch does not.
+    if torch.is_grad_enabled():
+        torch._C._set_grad_enabled(False)
+        try:
+            fn()
+        finally:
+            torch._C._set_grad_enabled(True)
+    else:
+        fn()
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _fit_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst``; when the element counts differ copy the common prefix and zero the rest."""
+    if dst.numel() == src.numel():
+        dst.copy_(src.reshape(dst.shape))
+        return
+    k = min(dst.numel(), src.numel())
+    flat = dst.view(-1) if dst.is_contiguous() else None
+    if flat is None:
+        tmp = torch.zeros(dst.numel(), dtype=dst.dtype, device=dst.device)
+        tmp[:k].copy_(src.reshape(-1)[:k])
+        dst.copy_(tmp.view(dst.shape))
+        return
+    flat[:k].copy_(src.reshape(-1)[:k])
+    flat[k:].zero_()
+
+
+def _split_offsets(total: int, splits: Sequence[int], n: int) -> tuple[list[int], list[int]]:
+    if not splits:
+        if total % n:
+            raise ValueError(f"nbox: all_to_all_single: dim 0 ({total}) is not divisible by the group size ({n})")
+        splits = [total // n] * n
+    offsets, acc = [], 0
+    for s in splits:
+        offsets.append(acc)
+        acc += s
+    return list(splits), offsets
+
+
+class NboxWork(dist.Work):
+    """An emulated op's handle: complete at the modeled finish time."""
+
+    def __init__(
+        self,
+        record: OpRecord,
+        result,
+        emulator: Emulator,
+        event=None,
+        device: torch.device | None = None,
+        source_rank: int = -1,
+    ):
+        super().__init__()
+        self._rec = record
+        self._result = result
+        self._emu = emulator
+        self._event = event  # CUDA path: recorded on the comm stream after the op
+        self._device = device
+        self._future = None
+        self._done = False
+        self._source = source_rank
+
+    @property
+    def record(self) -> OpRecord:
+        """The timeline record of this op."""
+        return self._rec
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """CPU: sleep until the modeled finish. CUDA: make the current stream wait (the CPU does not block)."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+            return True
+        if self._done:
+            return True
+        rec = self._rec
+        now = clock()
+        if now < rec.end:
+            limit = timeout.total_seconds() if timeout else 0.0
+            if limit > 0 and rec.end - now > limit:
+                sleep_until(now + limit)
+                rec.wait += clock() - now
+                raise RuntimeError(
+                    f"nbox: {rec.op.value} on {rec.comm} timed out after {limit:.3f}s "
+                    f"(it finishes {rec.end - now:.3f}s after the wait began)"
+                )
+            tune_thread_timer_slack()
+            sleep_until(rec.end)
+            after = clock()
+            rec.wait += after - now
+            if rec.completed is None:
+                rec.completed = after
+        self._done = True
+        return True
+
+    def synchronize(self) -> None:
+        """Like ``wait``."""
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        """Make the current stream wait for this op (CPU: wait)."""
+        self.wait()
+
+    def is_completed(self) -> bool:
+        """Whether the modeled finish time has passed (CUDA: whether the device got there)."""
+        if self._event is not None:
+            return self._event.query()
+        return self._done or clock() >= self._rec.end
+
+    def is_success(self) -> bool:
+        """Emulated ops never fail."""
+        return True
+
+    def exception(self):
+        """No exception: emulated ops never fail."""
+        return None
+
+    def result(self):
+        """The output tensors."""
+        return self._result
+
+    def source_rank(self) -> int:
+        """The peer a ``recv_anysource`` received from."""
+        return self._source
+
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes at the finish time with the output tensors."""
+        if self._future is not None:
+            return self._future
+        if self._event is not None:
+            self._future = _cuda_future(self._event, self._device, self._result)
+            return self._future
+        fut = torch.futures.Future()
+        self._future = fut
+        rec, result = self._rec, self._result
+        if clock() >= rec.end:
+            fut.set_result(result)
+        else:
+
+            def complete(now: float) -> None:
+                if rec.completed is None:
+                    rec.completed = now
+                fut.set_result(result)
+
+            self._emu.waker.at(rec.end, complete)
+        return fut
+
+
+def _cuda_future(event, device: torch.device, result) -> torch.futures.Future:
+    # A CUDA-aware future records events on the current streams at set_result; run that on a side
+    # stream that waits for this op only (the comm stream may already hold later ops).
+    side = torch.cuda.Stream(device=device)
+    side.wait_event(event)
+    fut = torch.futures.Future(devices=[device])
+    with torch.cuda.device(device), torch.cuda.stream(side):
+        fut.set_result(result)
+    return fut
+
+
+class _GroupWork(NboxWork):
+    """The works issued between ``start_coalescing`` and ``end_coalescing``: done when all are."""
+
+    def __init__(self, works: list[NboxWork], emulator: Emulator):
+        if any(w._event is not None for w in works):
+            last = works[-1]  # device-timed: the last one issued (same stream, FIFO) ends last
+        else:
+            last = max(works, key=lambda w: w._rec.end)
+        super().__init__(last._rec, [w._result for w in works], emulator, last._event, last._device)
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        """Wait for every op of the group."""
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether every op of the group completed."""
+        return all(w.is_completed() for w in self._works)
+
+
+class NboxProcessGroup(dist.ProcessGroup):
+    """A communicator whose other ranks are emulated: mirror data, modeled timing."""
+
+    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], emulator: Emulator):
+        super().__init__(rank, size)
+        if len(global_ranks) != size:
+            raise ValueError(f"nbox: {size} ranks but {len(global_ranks)} global ranks")
+        self._n = size
+        self._me = rank
+        self._emu = emulator
+        self.global_ranks: tuple[int, ...] = tuple(global_ranks)
+        self.group = Group(self.global_ranks)
+        self.timeline: Timeline = emulator.new_timeline(self.group)
+        self._p2p: dict[int, Timeline] = {}
+        self._sent: dict[tuple, torch.Tensor] = {}
+        self._coalescing: list[NboxWork] | None = None
+
+    # --- identity -------------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - the trampoline looks this name up
+        """The backend's name."""
+        return BACKEND_NAME
+
+    # The C++ base keeps a group's name in its backends, which a Python group has none of
+    # ("ProcessGroup name not set"); torch sets and reads them through these trampoline names.
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        """Called by torch when the group is registered."""
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        """The name torch registered the group under."""
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        """Called by torch when the group is registered."""
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        """The description torch gave the group."""
+        return getattr(self, "_group_desc", "")
+
+    def __repr__(self) -> str:
+        return f"NboxProcessGroup(rank={self._me}, size={self._n}, {self.group!r})"
+
+    # --- the common path ------------------------------------------------------------------------
+
+    def _issue(
+        self,
+        op: Op,
+        nbytes: int,
+        tensors: Sequence[torch.Tensor],
+        mirror: Callable[[], None] | None,
+        result,
+        root: int = 0,
+        timeline: Timeline | None = None,
+        source_rank: int = -1,
+    ) -> NboxWork:
+        tl = timeline if timeline is not None else self.timeline
+        device = tensors[0].device if tensors else _CPU
+        if device.type == "cuda":
+            if cuda_wait.available():
+                rec = tl.schedule_device(op, nbytes, str(device), root)
+                try:
+                    event, _ = cuda_wait.issue(tl, rec, device, tensors, mirror)
+                    return self._track(NboxWork(rec, result, self._emu, event, device, source_rank))
+                except cuda_wait.DeviceWaitUnavailable:
+                    self._emu.recorder.ops.remove(rec)  # scheduled again on the host below
+            _cuda_fallback(device)
+        rec = tl.schedule(op, nbytes, root)
+        if mirror is not None:
+            _no_grad_call(mirror)
+        return self._track(NboxWork(rec, result, self._emu, source_rank=source_rank))
+
+    def _track(self, work: NboxWork) -> NboxWork:
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    # --- all-reduce, broadcast, reduce ------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        """All-reduce: every peer holds the same tensor, so SUM gives x*n, AVG x, PRODUCT x**n."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        n = self._n
+
+        def mirror():
+            for t in tensors:
+                _reduce_inplace(t, op, n)
+
+        return self._issue(Op.ALL_REDUCE, _nbytes(tensors), tensors, mirror, tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """Several all-reduces launched as one (NCCL groups them): one op of the total size."""
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        """Broadcast: the root's data equals ours, so the buffer stays as it is."""
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        root = opts.rootRank if opts is not None else 0
+        return self._issue(Op.BROADCAST, _nbytes(tensors), tensors, None, tensors, root)
+
+    def reduce(self, tensors, opts=None):
+        """Reduce: on the real rank as root the result is the mirrored reduction; elsewhere the input is left."""
+        root = opts.rootRank if opts is not None else 0
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        n = self._n
+        mirror = None
+        if root == self._me:
+
+            def mirror():
+                for t in tensors:
+                    _reduce_inplace(t, op, n)
+
+        return self._issue(Op.REDUCE, _nbytes(tensors), tensors, mirror, tensors, root)
+
+    # --- all-gather ---------------------------------------------------------------------------------
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """All-gather into lists: every output is a copy of the input."""
+
+        def mirror():
+            for outs, x in zip(output_tensors, input_tensors):
+                for o in outs:
+                    if o.data_ptr() != x.data_ptr():
+                        o.copy_(x)
+
+        outs_flat = [o for outs in output_tensors for o in outs]
+        return self._issue(Op.ALL_GATHER, _nbytes(outs_flat), outs_flat + list(input_tensors), mirror, output_tensors)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """Coalesced all-gather of several tensors: output_lists[i][j] is rank i's input j."""
+
+        def mirror():
+            for outs in output_lists:
+                for o, x in zip(outs, input_list):
+                    o.copy_(x)
+
+        outs_flat = [o for outs in output_lists for o in outs]
+        return self._issue(Op.ALL_GATHER, _nbytes(outs_flat), outs_flat + list(input_list), mirror, output_lists)
+
+    def _gather_into(self, output: torch.Tensor, inp: torch.Tensor) -> None:
+        src = inp.clone() if _same_storage(inp, output) else inp
+        n = self._n
+        if output.is_contiguous():
+            output.view(n, -1).copy_(src.reshape(1, -1))
+        else:
+            output.copy_(src.reshape(1, -1).expand(n, -1).reshape(output.shape))
+
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's name
+        """All-gather into one tensor (``all_gather_into_tensor``): n copies of the input."""
+        return self._issue(
+            Op.ALL_GATHER, _nbytes([output]), [output, input], lambda: self._gather_into(output, input), [output]
+        )
+
+    _allgather_base = all_gather_single
+    allgather_into_tensor = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """Several all-gathers into tensors launched as one."""
+
+        def mirror():
+            for o, x in zip(outputs, inputs):
+                self._gather_into(o, x)
+
+        return self._issue(Op.ALL_GATHER, _nbytes(outputs), list(outputs) + list(inputs), mirror, list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # --- reduce-scatter --------------------------------------------------------------------------
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """Reduce-scatter from lists: our chunk of every peer is our own chunk, reduced n times."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        n, me = self._n, self._me
+
+        def mirror():
+            for y, xs in zip(output_tensors, input_tensors):
+                x = xs[me]
+                if y.data_ptr() != x.data_ptr():
+                    y.copy_(x)
+                _reduce_inplace(y, op, n)
+
+        ins_flat = [x for xs in input_tensors for x in xs]
+        return self._issue(
+            Op.REDUCE_SCATTER, _nbytes(ins_flat), list(output_tensors) + ins_flat, mirror, list(output_tensors)
+        )
+
+    def _scatter_reduce_into(self, output: torch.Tensor, inp: torch.Tensor, op) -> None:
+        chunk = inp.reshape(self._n, -1)[self._me]
+        if _same_storage(chunk, output):
+            chunk = chunk.clone()
+        output.copy_(chunk.reshape(output.shape))
+        _reduce_inplace(output, op, self._n)
+
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 - torch's name
+        """Reduce-scatter of one tensor (``reduce_scatter_tensor``): our chunk, reduced n times."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._issue(
+            Op.REDUCE_SCATTER,
+            _nbytes([input]),
+            [output, input],
+            lambda: self._scatter_reduce_into(output, input, op),
+            [output],
+        )
+
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        """Several reduce-scatters of tensors launched as one."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def mirror():
+            for o, x in zip(outputs, inputs):
+                self._scatter_reduce_into(o, x, op)
+
+        return self._issue(Op.REDUCE_SCATTER, _nbytes(inputs), list(outputs) + list(inputs), mirror, list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # --- all-to-all ----------------------------------------------------------------------------------
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """All-to-all of lists: peer j sends us its chunk for us, which equals our chunk ``me``."""
+        me = self._me
+
+        def mirror():
+            src = input_tensors[me]
+            if any(_same_storage(src, o) for o in output_tensors):
+                src = src.clone()
+            for o in output_tensors:
+                _fit_copy(o, src)
+
+        return self._issue(
+            Op.ALL_TO_ALL,
+            _nbytes(input_tensors),
+            list(output_tensors) + list(input_tensors),
+            mirror,
+            list(output_tensors),
+        )
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        """All-to-all of one tensor (``all_to_all_single``), equal or given split sizes.
+
+        Output chunk j is peer j's chunk for us, i.e. our input chunk ``me``; when the sizes
+        differ (uneven splits) the common prefix is copied and the rest zeroed.
+        """
+        n, me = self._n, self._me
+        in_splits, in_off = _split_offsets(input.shape[0] if input.dim() else input.numel(), input_split_sizes, n)
+        out_splits, out_off = _split_offsets(output.shape[0] if output.dim() else output.numel(), output_split_sizes, n)
+
+        def mirror():
+            src = input.narrow(0, in_off[me], in_splits[me]) if input.dim() else input
+            if _same_storage(src, output):
+                src = src.clone()
+            for j in range(n):
+                dst = output.narrow(0, out_off[j], out_splits[j]) if output.dim() else output
+                _fit_copy(dst, src)
+
+        return self._issue(Op.ALL_TO_ALL, _nbytes([input]), [output, input], mirror, [output])
+
+    alltoall_base = all_to_all_single
+
+    # --- gather, scatter ----------------------------------------------------------------------------
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """Gather: at the real rank as root every slot is a copy of the input."""
+        root = opts.rootRank if opts is not None else 0
+        mirror = None
+        if root == self._me:
+
+            def mirror():
+                for outs, x in zip(output_tensors, input_tensors):
+                    for o in outs:
+                        if o.data_ptr() != x.data_ptr():
+                            o.copy_(x)
+
+        nbytes = self._n * _nbytes(input_tensors)
+        outs_flat = [o for outs in output_tensors for o in outs]
+        return self._issue(Op.GATHER, nbytes, list(input_tensors) + outs_flat, mirror, output_tensors, root)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """Scatter: from the real rank it keeps our slot; from an emulated root the output stays as it is."""
+        root = opts.rootRank if opts is not None else 0
+        me = self._me
+        mirror = None
+        if root == me and input_tensors:
+
+            def mirror():
+                for y, xs in zip(output_tensors, input_tensors):
+                    if y.data_ptr() != xs[me].data_ptr():
+                        y.copy_(xs[me])
+
+        nbytes = self._n * _nbytes(output_tensors)
+        ins_flat = [x for xs in input_tensors for x in xs]
+        return self._issue(Op.SCATTER, nbytes, list(output_tensors) + ins_flat, mirror, list(output_tensors), root)
+
+    # --- point to point ------------------------------------------------------------------------
+
+    def _p2p_timeline(self, peer: int) -> Timeline:
+        # NCCL runs p2p with a peer on its own stream, so each peer gets its own FIFO.
+        tl = self._p2p.get(peer)
+        if tl is None:
+            a, b = self.global_ranks[self._me], self.global_ranks[peer]
+            tl = self._p2p[peer] = self._emu.new_timeline(Group(sorted((a, b))), kind="p2p")
+        return tl
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self._n:
+            raise ValueError(f"nbox: {what} peer {peer} is outside the group of {self._n} ranks")
+        if peer == self._me:
+            raise ValueError(f"nbox: {what} to itself (rank {peer})")
+
+    def send(self, tensors, dst_rank, tag=0):
+        """Send to an emulated peer; a copy is kept as what a later recv of that shape yields."""
+        self._check_peer(dst_rank, "send")
+        with torch.no_grad():
+            for t in tensors:
+                key = (tuple(t.shape), t.dtype, t.device)
+                if key not in self._sent and len(self._sent) >= 256:
+                    self._sent.pop(next(iter(self._sent)))
+                self._sent[key] = t.detach().clone()
+        tl = self._p2p_timeline(dst_rank)
+        root = 0 if self.global_ranks[self._me] < self.global_ranks[dst_rank] else 1
+        return self._issue(Op.SEND_RECV, _nbytes(tensors), tensors, None, tensors, root, tl)
+
+    def recv(self, tensors, src_rank, tag=0):
+        """Receive from an emulated peer: the last sent tensor of the same shape, dtype and device, else zeros."""
+        self._check_peer(src_rank, "recv")
+        return self._recv(tensors, src_rank, src_rank)
+
+    def recv_anysource(self, tensors, tag=0):
+        """Receive from any source: the previous rank of the group is taken as the sender."""
+        src = (self._me - 1) % self._n
+        if src == self._me:
+            raise ValueError("nbox: recv_anysource in a group of one rank")
+        return self._recv(tensors, src, src)
+
+    def _recv(self, tensors, src: int, source_rank: int) -> NboxWork:
+        sent = self._sent
+
+        def mirror():
+            for t in tensors:
+                last = sent.get((tuple(t.shape), t.dtype, t.device))
+                if last is None:
+                    t.zero_()
+                else:
+                    t.copy_(last)
+
+        tl = self._p2p_timeline(src)
+        root = 0 if self.global_ranks[src] < self.global_ranks[self._me] else 1
+        return self._issue(Op.SEND_RECV, _nbytes(tensors), tensors, mirror, tensors, root, tl, source_rank)
+
+    # --- barriers and coalescing ----------------------------------------------------------------
+
+    def barrier(self, opts=None):
+        """A barrier: every emulated peer arrives with us; it takes the model's barrier time (host-timed)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # NCCL's barrier is a device all-reduce that the CPU then waits for: the real rank
+            # leaves it only once its own stream has drained. No other thread is involved.
+            torch.cuda.current_stream().synchronize()
+        rec = self.timeline.schedule(Op.BARRIER, 0)
+        return self._track(NboxWork(rec, [], self._emu))
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """A blocking barrier (torch allows it only for gloo; ``launch.install`` routes nbox groups here)."""
+        self.barrier().wait()
+
+    def start_coalescing(self, device=None) -> None:
+        """Collect the works issued until ``end_coalescing`` (NCCL launches them as one group)."""
+        self._coalescing = []
+
+    def end_coalescing(self, device=None):
+        """One work for everything issued since ``start_coalescing``."""
+        works, self._coalescing = self._coalescing or [], None
+        if not works:
+            return _done_work(self._emu, self.timeline)
+        return _GroupWork(works, self._emu)
+
+    _start_coalescing = start_coalescing
+    _end_coalescing = end_coalescing
+
+    # --- what is not emulated ------------------------------------------------------------------
+
+    def _unsupported(self, name: str):
+        raise UnsupportedCollective(f"nbox: {name} is not supported by the nbox backend")
+
+    def splitGroup(self, *args, **kwargs):  # noqa: N802 - the trampoline's name
+        """Not emulated: use new_group."""
+        self._unsupported("split_group (use new_group)")
+
+    def mergeRemoteGroup(self, *args, **kwargs):  # noqa: N802 - the trampoline's name
+        """Not emulated."""
+        self._unsupported("merge_remote_group")
+
+
+def _done_work(emu: Emulator, timeline: Timeline) -> NboxWork:
+    now = clock()
+    rec = OpRecord(-1, timeline.name, Op.BARRIER, timeline.group, 0, 0, "none", emu.recorder.iteration, now, 0.0, 0.0)
+    rec.ready = rec.start = rec.end = now
+    work = NboxWork(rec, [], emu)
+    work._done = True
+    return work
+
+
+def _cuda_fallback(device: torch.device) -> None:
+    # Without Triton, CUDA ops are timed on the host after the caller's stream has drained:
+    # correct start times, but the CPU blocks and compute/communication overlap is lost.
+    global _warned_cuda_fallback
+    if not _warned_cuda_fallback:
+        _warned_cuda_fallback = True
+        import warnings
+
+        warnings.warn(
+            f"nbox: device-side timed waits are unavailable ({cuda_wait.why_unavailable()}); "
+            "CUDA collectives synchronize the stream and are timed on the host (no overlap)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    torch.cuda.current_stream(device).synchronize()
+
+
+def create_process_group(dist_opts, backend_opts=None) -> NboxProcessGroup:
+    """The creator registered with torch (``extended_api=True``: it receives the group's global ranks)."""
+    emu = current()
+    size = dist_opts.group_size
+    ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
+    if len(ranks) != size:
+        raise RuntimeError(f"nbox: group of {size} ranks with {len(ranks)} global ranks")
+    if not ranks or max(ranks) >= emu.world_size:
+        raise RuntimeError(f"nbox: group ranks {ranks[:8]} exceed the emulated world of {emu.world_size}")
+    return NboxProcessGroup(dist_opts.group_rank, size, ranks, emu)
+
+
+def register() -> None:
+    """Register the ``nbox`` backend with torch.distributed (idempotent)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,112 @@
+"""The real rank's view of the emulated cluster: topology, model, recorder, waker, one timeline per communicator.
+
+One ``Emulator`` is current per process. ``api.init`` sets it; a process started by
+``nbox run`` may instead find it through the environment (``NBOX_TOPOLOGY``, ``NBOX_MODEL``,
+``NBOX_REAL_RANK``), so that the backend works even when the user script alone calls
+``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+
+from ..collectives import Op
+from ..model.base import Collective, CommModel, Group
+from ..topology import Topology, load_topology
+from .timeline import Recorder, StragglerHook, Timeline, Waker
+
+__all__ = ["Emulator", "current", "set_current", "sees_contention", "ENV_TOPOLOGY", "ENV_MODEL", "ENV_REAL_RANK"]
+
+ENV_TOPOLOGY = "NBOX_TOPOLOGY"
+ENV_MODEL = "NBOX_MODEL"
+ENV_REAL_RANK = "NBOX_REAL_RANK"
+
+
+class Emulator:
+    """Everything one real rank needs to emulate the others.
+
+    ``contention`` (default: whether the model sees contention) makes an op that starts while
+    other communicators' ops are in flight take the model's concurrent duration.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        real_rank: int = 0,
+        model: CommModel | str | None = None,
+        straggler: StragglerHook | None = None,
+        contention: bool | None = None,
+    ):
+        if not 0 <= real_rank < topology.world_size:
+            raise ValueError(f"real rank {real_rank} is outside the world of {topology.world_size} ranks")
+        self.topology = topology
+        self.real_rank = real_rank
+        self.world_size = topology.world_size
+        if model is None or isinstance(model, str):
+            from ..model.registry import create_model  # the registry imports every built-in lazily
+
+            model = create_model(topology, model)
+        self.model: CommModel = model
+        self.straggler = straggler
+        self.recorder = Recorder()
+        self.waker = Waker()
+        self.timelines: list[Timeline] = []
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self.contention = contention if contention is not None else sees_contention(self.model)
+
+    def new_timeline(self, group: Group, kind: str = "comm") -> Timeline:
+        """A fresh communicator timeline: two process groups over the same ranks are still two NCCL communicators."""
+        with self._lock:
+            tl = Timeline(f"{kind}{next(self._names)}", group, self.model, self.recorder, self.straggler)
+            if self.contention:
+                tl.contention = self._contended
+            self.timelines.append(tl)
+        return tl
+
+    def _contended(self, timeline: Timeline, op: Op, nbytes: int, root: int, start: float):
+        # Ops of other communicators in flight at ``start`` share links with this one. The model
+        # simulates them as starting together (they started earlier, so this overstates the
+        # sharing a little) and only the new op's duration changes: the others were promised.
+        others = [r for tl in self.timelines if tl is not timeline for r in (tl.in_flight(start),) if r is not None]
+        if not others:
+            return None
+        batch = [Collective(r.op, r.nbytes, r.group, r.root) for r in others]
+        batch.append(Collective(op, nbytes, timeline.group, root))
+        est = self.model.estimate_concurrent(batch)[-1]
+        return float(est.duration), est.algorithm
+
+
+def sees_contention(model: CommModel) -> bool:
+    """Whether ``model`` models concurrent collectives (overrides ``estimate_concurrent``), under any what-if wrapper."""
+    inner = model
+    while hasattr(inner, "inner"):
+        inner = inner.inner
+    return type(inner).estimate_concurrent is not CommModel.estimate_concurrent
+
+
+_current: Emulator | None = None
+
+
+def set_current(emulator: Emulator | None) -> None:
+    """Make ``emulator`` the one the backend uses (``None`` forgets it)."""
+    global _current
+    _current = emulator
+
+
+def current() -> Emulator:
+    """The current emulator, built from ``NBOX_TOPOLOGY`` if none was set; an error names what to do otherwise."""
+    global _current
+    if _current is None:
+        path = os.environ.get(ENV_TOPOLOGY)
+        if not path:
+            raise RuntimeError(
+                "the nbox backend has no emulated cluster: run the script under `nbox run TOPOLOGY -- ...`, "
+                "call neuronabox.emu.api.init(topology) first, or set NBOX_TOPOLOGY"
+            )
+        rank = int(os.environ.get(ENV_REAL_RANK, os.environ.get("RANK", "0")))
+        _current = Emulator(load_topology(Path(path)), rank, os.environ.get(ENV_MODEL) or None)
+    return _current

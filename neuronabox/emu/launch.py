@@ -1,0 +1,298 @@
+"""Running an unmodified script as one rank of an emulated job: torchrun's environment, backend substitution.
+
+``prepare_env`` gives the environment torchrun would give the real rank. ``install`` makes
+``init_process_group`` with ``"nccl"``, ``"gloo"``, ``None``, ``"cpu:gloo,cuda:nccl"`` (any
+backend, in fact) create ``nbox`` process groups, and so do ``new_group`` and
+``init_device_mesh``: every group is created through ``distributed_c10d._new_process_group_helper``,
+which is wrapped to pass ``backend="nbox"``. Groups are created with torch's extended
+backend API, so each one knows its global ranks and the model sees the right group.
+
+The store: the real rank must not wait for ranks that never come. ``init_process_group``
+is wrapped to hand torch a local ``HashStore`` (no rendezvous, no TCP server waiting for
+WORLD_SIZE workers), and ``TORCH_DIST_INIT_BARRIER=0`` keeps init from its store barrier.
+
+Iterations: the end of each optimizer step marks an iteration (the first optimizer that
+steps defines them), unless the user marks them with ``neuronabox.emu.api.step()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import socket
+import uuid
+import weakref
+
+from ..topology import Topology
+from .emulator import ENV_REAL_RANK, current
+
+__all__ = ["prepare_env", "install", "uninstall", "installed", "free_port", "run_script"]
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_env(
+    topology: Topology,
+    real_rank: int = 0,
+    master_port: int | None = None,
+    *,
+    master_addr: str = "127.0.0.1",
+    run_id: str | None = None,
+) -> dict[str, str]:
+    """The environment torchrun sets for ``real_rank`` of the emulated world (strings, ready for ``os.environ``)."""
+    world = topology.world_size
+    if not 0 <= real_rank < world:
+        raise ValueError(f"real rank {real_rank} is outside the world of {world} ranks")
+    node = topology.node_of(real_rank)
+    port = master_port if master_port is not None else free_port()
+    return {
+        "RANK": str(real_rank),
+        "LOCAL_RANK": str(topology.local_rank(real_rank)),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(node.ranks),
+        "GROUP_RANK": str(node.index),
+        "GROUP_WORLD_SIZE": str(len(topology.nodes)),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(real_rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": run_id or f"nbox-{uuid.uuid4().hex[:12]}",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_DIST_INIT_BARRIER": "0",
+        ENV_REAL_RANK: str(real_rank),
+    }
+
+
+# What install() replaced: (module, attribute) -> original; empty when not installed.
+_originals: dict[tuple[object, str], object] = {}
+_hook_handle = None
+_saved_barrier: list[str | None] = []
+
+
+def installed() -> bool:
+    """Whether ``install`` is in effect."""
+    return bool(_originals)
+
+
+def _patch(module, name: str, replacement) -> None:
+    if hasattr(module, name) and (module, name) not in _originals:
+        _originals[(module, name)] = getattr(module, name)
+        setattr(module, name, replacement)
+
+
+def install() -> None:
+    """Route every torch.distributed process group of this process to the nbox backend (idempotent)."""
+    global _hook_handle
+    if _originals:
+        return
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.optim.optimizer import register_optimizer_step_post_hook  # torch.optim deletes its submodule names
+
+    from .backend import BACKEND_NAME, NboxProcessGroup, register
+
+    register()
+    _saved_barrier.append(os.environ.get("TORCH_DIST_INIT_BARRIER"))
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "0"
+
+    original_init = c10d.init_process_group
+    init_sig = inspect.signature(original_init)
+
+    @functools.wraps(original_init)
+    def init_process_group(*args, **kwargs):
+        bound = init_sig.bind(*args, **kwargs)
+        a = bound.arguments
+        emu = current()
+        a["backend"] = BACKEND_NAME
+        # A device binding would make torch split NCCL communicators eagerly (_get_backend on our group).
+        a["device_id"] = None
+        if a.get("store") is None:
+            a["store"] = dist.HashStore()
+            a["init_method"] = None
+        world = a.get("world_size", -1)
+        rank = a.get("rank", -1)
+        if world not in (-1, None) and world != emu.world_size:
+            raise ValueError(f"nbox: init_process_group(world_size={world}) but the emulated world has {emu.world_size}")
+        if rank not in (-1, None) and rank != emu.real_rank:
+            raise ValueError(f"nbox: init_process_group(rank={rank}) but the real rank is {emu.real_rank}")
+        a["world_size"] = emu.world_size
+        a["rank"] = emu.real_rank
+        return original_init(*bound.args, **bound.kwargs)
+
+    original_helper = c10d._new_process_group_helper
+    helper_sig = inspect.signature(original_helper)
+
+    @functools.wraps(original_helper)
+    def new_process_group_helper(*args, **kwargs):
+        bound = helper_sig.bind(*args, **kwargs)
+        bound.arguments["backend"] = dist.Backend(BACKEND_NAME)
+        if "device_id" in bound.arguments:
+            bound.arguments["device_id"] = None
+        return original_helper(*bound.args, **bound.kwargs)
+
+    original_monitored = c10d.monitored_barrier
+
+    @functools.wraps(original_monitored)
+    def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+        pg = group if group is not None else c10d._get_default_group()
+        if isinstance(pg, NboxProcessGroup):  # torch allows monitored_barrier for gloo only
+            return pg.monitored_barrier(timeout, wait_all_ranks)
+        return original_monitored(group, timeout, wait_all_ranks)
+
+    original_bcast_objects = c10d.broadcast_object_list
+    bcast_sig = inspect.signature(original_bcast_objects)
+
+    @functools.wraps(original_bcast_objects)
+    def broadcast_object_list(*args, **kwargs):
+        # From an emulated root, torch would unpickle whatever the size buffer held. Mirror
+        # semantics: the root's objects are ours, so broadcast from the real rank instead.
+        bound = bcast_sig.bind(*args, **kwargs)
+        a = bound.arguments
+        pg = a.get("group") or c10d._get_default_group()
+        if isinstance(pg, NboxProcessGroup):
+            a["src"] = None
+            a["group_src"] = pg.rank()
+        return original_bcast_objects(*bound.args, **bound.kwargs)
+
+    _patch_dtensor_scatter(NboxProcessGroup)
+    _patch(c10d, "broadcast_object_list", broadcast_object_list)
+    _patch(dist, "broadcast_object_list", broadcast_object_list)
+    _patch(c10d, "init_process_group", init_process_group)
+    _patch(dist, "init_process_group", init_process_group)
+    _patch(c10d, "_new_process_group_helper", new_process_group_helper)
+    _patch(c10d, "monitored_barrier", monitored_barrier)
+    _patch(dist, "monitored_barrier", monitored_barrier)
+    try:  # init_device_mesh calls the init_process_group it imported
+        import torch.distributed.device_mesh as device_mesh
+
+        _patch(device_mesh, "init_process_group", init_process_group)
+    except ImportError:
+        pass
+
+    first_optimizer: list[weakref.ref] = []
+
+    def step_post_hook(optimizer, args, kwargs):
+        # Several optimizers (a GAN, per-group optimizers) step once each per iteration: only
+        # the first one that steps marks iterations; if it is gone, the next one takes over.
+        if not first_optimizer or first_optimizer[0]() is None:
+            first_optimizer[:] = [weakref.ref(optimizer)]
+        elif first_optimizer[0]() is not optimizer:
+            return
+        from . import emulator
+
+        if emulator._current is not None:
+            emulator._current.recorder.mark_iteration()
+
+    _hook_handle = register_optimizer_step_post_hook(step_post_hook)
+
+
+def _patch_dtensor_scatter(group_class) -> None:
+    # DTensor's distribute_tensor splits the full tensor on every rank, then scatters the
+    # pieces from mesh coordinate 0 into torch.empty_like buffers. From an emulated root our
+    # scatter would leave those uninitialized; mirror semantics says the root's pieces are the
+    # ones we split, so scatter from ourselves. (placement_types imported mesh_scatter by name.)
+    try:
+        import torch.distributed.tensor._collective_utils as cu
+        import torch.distributed.tensor.placement_types as pt
+    except ImportError:
+        return
+    original = cu.mesh_scatter
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def mesh_scatter(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["group_src"] is not None and a["scatter_list"] is not None:
+            pg = a["mesh"].get_group(a["mesh_dim"])
+            if isinstance(pg, group_class):
+                a["group_src"] = pg.rank()
+        return original(*bound.args, **bound.kwargs)
+
+    _patch(cu, "mesh_scatter", mesh_scatter)
+    _patch(pt, "mesh_scatter", mesh_scatter)
+
+
+def uninstall() -> None:
+    """Undo ``install`` (the nbox backend stays registered; torch has no way to unregister one)."""
+    global _hook_handle
+    for (module, name), original in _originals.items():
+        setattr(module, name, original)
+    _originals.clear()
+    if _hook_handle is not None:
+        _hook_handle.remove()
+        _hook_handle = None
+    while _saved_barrier:
+        value = _saved_barrier.pop()
+        if value is None:
+            os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
+        else:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = value
+
+
+def run_script(argv: list[str]) -> None:
+    """Run ``argv[0]`` (a script path, or ``-m module``) as ``__main__`` with the nbox backend installed.
+
+    The child side of ``nbox run``: the parent sets ``prepare_env(...)`` plus ``NBOX_TOPOLOGY``
+    (and optionally ``NBOX_MODEL``); if ``NBOX_RECORD`` names a file, the recorder is written
+    there as JSON when the script ends, even by an exception or ``sys.exit``.
+    """
+    import atexit
+    import runpy
+    import sys
+
+    if not argv:
+        raise SystemExit("usage: python -m neuronabox.emu.launch SCRIPT [ARGS...] | -m MODULE [ARGS...]")
+    install()
+    out = os.environ.get("NBOX_RECORD")
+    if out:
+        atexit.register(_write_record, out)
+    if argv[0] == "-m" and len(argv) > 1:
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _write_record(path: str) -> None:
+    import json
+
+    from . import emulator
+
+    emu = emulator._current
+    if emu is None:
+        return
+    rec = emu.recorder
+    rec.resolve()
+    data = {
+        "world_size": emu.world_size,
+        "real_rank": emu.real_rank,
+        "model": getattr(emu.model, "name", type(emu.model).__name__),
+        "iterations": rec.iteration_times(),
+        "device_iterations": rec.device_iteration_times(),
+        "communicators": {tl.name: list(tl.group.ranks) for tl in emu.timelines},
+        "ops": [r.as_dict(rec.t0) for r in rec.ops],
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+
+
+if __name__ == "__main__":
+    import sys
+
+    # Use the package's copy of this module, whose install() state the rest of nbox sees.
+    from neuronabox.emu.launch import run_script as _run_script
+
+    _run_script(sys.argv[1:])
