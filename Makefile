@@ -16,9 +16,11 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# The main job on the embedded default: an unmodified DDP script as rank 0 of 64 CPU ranks.
 demo: venv
-	$(BIN)/nbox show topologies/dgx-h100-32.yaml
-	$(BIN)/nbox bench topologies/dgx-h100-32.yaml -b 8 -e 1G -f 4
+	mkdir -p out
+	$(BIN)/nbox run topologies/cpu-64-demo.yaml --report out/demo-run.json --trace out/demo-trace.json \
+		-- $(BIN)/python examples/ddp_train.py --steps 30
 
 test: venv
 	$(BIN)/python -m pytest -q

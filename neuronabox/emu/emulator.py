@@ -16,6 +16,7 @@ from pathlib import Path
 from ..collectives import Op
 from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
+from .straggler import ComputeSkew, compute_factors
 from .timeline import Recorder, StragglerHook, Timeline, Waker
 
 __all__ = ["Emulator", "current", "set_current", "sees_contention", "ENV_TOPOLOGY", "ENV_MODEL", "ENV_REAL_RANK"]
@@ -50,8 +51,11 @@ class Emulator:
 
             model = create_model(topology, model)
         self.model: CommModel = model
-        self.straggler = straggler
         self.recorder = Recorder()
+        if straggler is None:
+            factors = compute_factors(topology, real_rank)
+            straggler = ComputeSkew(factors, self.recorder) if factors else None
+        self.straggler = straggler
         self.waker = Waker()
         self.timelines: list[Timeline] = []
         self._names = itertools.count()

@@ -247,16 +247,12 @@ def run_script(argv: list[str]) -> None:
     (and optionally ``NBOX_MODEL``); if ``NBOX_RECORD`` names a file, the recorder is written
     there as JSON when the script ends, even by an exception or ``sys.exit``.
     """
-    import atexit
     import runpy
     import sys
 
     if not argv:
         raise SystemExit("usage: python -m neuronabox.emu.launch SCRIPT [ARGS...] | -m MODULE [ARGS...]")
-    install()
-    out = os.environ.get("NBOX_RECORD")
-    if out:
-        atexit.register(_write_record, out)
+    autostart()
     if argv[0] == "-m" and len(argv) > 1:
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -264,6 +260,16 @@ def run_script(argv: list[str]) -> None:
         sys.argv = list(argv)
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def autostart() -> None:
+    """Install the backend in a process started by ``nbox run`` and write its record at exit."""
+    import atexit
+
+    install()
+    out = os.environ.get("NBOX_RECORD")
+    if out:
+        atexit.register(_write_record, out)
 
 
 def _write_record(path: str) -> None:

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from ..collectives import Op
 from ..model.base import CommModel, Group
+from ..stats import percentile
 
 __all__ = [
     "clock",
@@ -38,8 +39,8 @@ __all__ = [
 
 clock = time.perf_counter
 
-# (op, nbytes, group) -> extra seconds added to that op's duration (e.g. the slowest emulated
-# rank arrives late). It runs once per op, on the hot path: keep it cheap.
+# (op, nbytes, group) -> how many seconds after the real rank the slowest rank of the group arrives
+# (its arrival delays the start). It runs once per op, on the hot path: keep it cheap.
 StragglerHook = Callable[[Op, int, Group], float]
 
 # (timeline, op, nbytes, root, start) -> (duration, algorithm) when other communicators' ops in
@@ -67,7 +68,7 @@ class OpRecord:
         self.iteration: int = iteration
         self.enqueue: float = enqueue  # when the real rank called it
         self.duration: float = duration  # modeled, injections included
-        self.extra: float = extra  # straggler delay
+        self.extra: float = extra  # how late the slowest rank arrives after the real rank
         self.ready: float | None = None  # inputs ready (CUDA ops: unknown until resolved)
         self.start: float | None = None
         self.end: float | None = None  # modeled finish
@@ -333,12 +334,13 @@ class Timeline:
         r = self._record(op, nbytes, root, now)
         r.ready = now if ready is None else ready
         with self._lock:
-            r.start = max(r.ready, self.last_end)
+            # A straggler delays the start (every rank must arrive), not the transfer.
+            r.start = max(r.ready + r.extra, self.last_end)
             if self.contention is not None:
                 hit = self.contention(self, op, nbytes, root, r.start)
                 if hit is not None:
                     r.duration, r.algorithm = hit
-            r.end = r.start + r.duration + r.extra
+            r.end = r.start + r.duration
             self.last_end = r.end
             self.recent.append(r)
         self.recorder.add(r)
@@ -351,11 +353,3 @@ class Timeline:
         self.recorder.add(r)
         return r
 
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) by nearest rank; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, int(round(q / 100.0 * (len(ordered) - 1)))))
-    return ordered[k]

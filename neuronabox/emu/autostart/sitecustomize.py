@@ -1,0 +1,32 @@
+"""Started by ``nbox run``: this folder is put first on the child's PYTHONPATH.
+
+Python imports ``sitecustomize`` at start-up, so any Python process of the run (``python
+train.py``, ``python -m pkg``, a wrapper script that execs Python) gets the nbox backend
+installed before the user's code imports torch.distributed — with no change to the script.
+A ``sitecustomize`` that this one shadows is still run afterwards.
+"""
+
+import os
+import sys
+
+
+def _chain_shadowed_sitecustomize() -> None:
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+if os.environ.get("NBOX_TOPOLOGY"):
+    try:
+        from neuronabox.emu.launch import autostart
+    except ImportError as exc:  # another Python than the one nbox is installed in
+        sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load neuronabox ({exc}); "
+                         "run the command with the Python that has nbox and torch\n")
+    else:
+        autostart()
+_chain_shadowed_sitecustomize()

@@ -1,0 +1,131 @@
+"""What ``nbox run`` tells the user at exit: iteration time, time in collectives, exposed communication.
+
+Input is the record the real rank writes (``neuronabox.emu.launch``): per-op enqueue, start and
+end times (seconds since the recorder started), how long the caller blocked in ``wait()``, and
+the iteration durations. Exposed communication is the time the real rank waited: ``wait()``
+calls are measured; waits inside C++ (DDP's reducer waiting on bucket futures at the end of
+backward) are not visible to Python, so for ops nobody waited on in Python the exposed part is
+taken as the stretch from the iteration's last collective call to the last modeled completion
+before the iteration ended — the tail that the next compute had to wait for.
+"""
+
+from __future__ import annotations
+
+import statistics
+from itertools import accumulate
+from typing import Any
+
+from rich.table import Table
+
+from ..stats import percentile
+from ..units import format_duration, format_size
+
+__all__ = ["summarize", "summary_tables"]
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"count": 0}
+    return {
+        "count": len(values),
+        "median": statistics.median(values),
+        "p95": percentile(values, 95),
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _exposed(ops: list[dict], start: float, end: float) -> float:
+    """Seconds the real rank waited on collectives between ``start`` and ``end``."""
+    waited = sum(o["wait"] for o in ops)
+    unwaited_ends = [o["end"] for o in ops if not o["wait"] and o["end"] is not None]
+    if not unwaited_ends:
+        return waited
+    last_call = max(o["enqueue"] for o in ops)
+    tail = max(0.0, min(max(unwaited_ends), end) - max(last_call, start))
+    return waited + tail
+
+
+def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run report (JSON-ready) from the real rank's record; ``warmup`` iterations are left out of the statistics."""
+    iterations: list[float] = list(record.get("device_iterations") or record.get("iterations") or [])
+    ops: list[dict] = record.get("ops", [])
+    n = len(iterations)
+    if warmup is None:
+        warmup = 1 if n >= 3 else 0  # the first iteration carries set-up (allocations, DDP buckets)
+    warmup = min(warmup, max(0, n - 1))
+    marks = [0.0] + list(accumulate(iterations))
+    by_iter: dict[int, list[dict]] = {}
+    for o in ops:
+        by_iter.setdefault(o["iteration"], []).append(o)
+    comm, exposed = [], []
+    for i in range(warmup, n):
+        its = by_iter.get(i, [])
+        comm.append(sum(o["duration"] for o in its))
+        exposed.append(_exposed(its, marks[i], marks[i + 1]) if its else 0.0)
+    measured = [o for o in ops if o["iteration"] >= warmup]
+    per_op: dict[str, dict[str, Any]] = {}
+    for o in measured:
+        s = per_op.setdefault(o["op"], {"count": 0, "bytes": 0, "modeled_s": 0.0, "waited_s": 0.0, "algorithms": {}})
+        s["count"] += 1
+        s["bytes"] += o["nbytes"]
+        s["modeled_s"] += o["duration"]
+        s["waited_s"] += o["wait"]
+        s["algorithms"][o["algorithm"]] = s["algorithms"].get(o["algorithm"], 0) + 1
+    for s in per_op.values():
+        s["mean_duration_s"] = s["modeled_s"] / s["count"]
+    lateness = [o["lateness"] for o in ops if o.get("lateness") is not None]
+    timed = iterations[warmup:]
+    return {
+        **(meta or {}),
+        "world_size": record.get("world_size"),
+        "real_rank": record.get("real_rank"),
+        "model": record.get("model"),
+        "iterations": iterations,
+        "warmup": warmup,
+        "iteration_time": _stats(timed),
+        "comm_modeled_per_iteration": _stats(comm),
+        "exposed_per_iteration": _stats(exposed),
+        "exposed_ratio": (sum(exposed) / sum(timed)) if timed and sum(timed) > 0 else 0.0,
+        "per_op": per_op,
+        "lateness": _stats(lateness),
+        "communicators": record.get("communicators", {}),
+        "ops": ops,
+    }
+
+
+def _t(seconds: float | None) -> str:
+    return "-" if seconds is None or seconds != seconds else format_duration(seconds)
+
+
+def summary_tables(report: dict[str, Any]) -> list[Table]:
+    """The exit summary as rich tables: the run, then one row per collective type."""
+    it, comm, exp = report["iteration_time"], report["comm_modeled_per_iteration"], report["exposed_per_iteration"]
+    t = Table(title="nbox run", show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    if report.get("topology"):
+        t.add_row("topology", f"{report['topology']} ({report.get('file', '')})")
+    t.add_row("world", f"{report['world_size']} ranks, real rank {report['real_rank']}, model {report['model']}")
+    total = len(report["iterations"])
+    t.add_row("iterations", f"{it.get('count', 0)} measured ({report['warmup']} warm-up of {total} left out)")
+    if it.get("count"):
+        t.add_row("iteration time", f"median {_t(it['median'])}, p95 {_t(it['p95'])}, mean {_t(it['mean'])}")
+        t.add_row("in collectives", f"median {_t(comm.get('median'))} per iteration (modeled)")
+        t.add_row(
+            "exposed comm", f"median {_t(exp.get('median'))} per iteration, {report['exposed_ratio']:.1%} of the time"
+        )
+    lat = report["lateness"]
+    if lat.get("count"):
+        t.add_row("lateness", f"p50 {_t(lat['median'])}, p95 {_t(lat['p95'])}, max {_t(lat['max'])} (actual - modeled)")
+    ops = Table(title="collectives (measured iterations)", title_justify="left")
+    for col in ("op", "count", "bytes", "modeled", "mean", "waited", "algorithm"):
+        ops.add_column(col, justify="left" if col in ("op", "algorithm") else "right")
+    for name, s in sorted(report["per_op"].items(), key=lambda kv: -kv[1]["modeled_s"]):
+        algos = ", ".join(f"{a}" + (f" x{c}" if len(s["algorithms"]) > 1 else "") for a, c in s["algorithms"].items())
+        ops.add_row(
+            name, str(s["count"]), format_size(s["bytes"]), _t(s["modeled_s"]), _t(s["mean_duration_s"]),
+            _t(s["waited_s"]), algos,
+        )
+    return [t, ops] if report["per_op"] else [t]

@@ -1,0 +1,58 @@
+"""A Chrome / Perfetto trace of a run: the real rank's iterations, and the emulated collectives on their own track.
+
+Open it in https://ui.perfetto.dev or chrome://tracing. Times are microseconds since the
+recorder started. One process is the real rank (its iterations), one process holds the
+emulated collectives with a thread per communicator, so FIFO order and overlap are visible.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+__all__ = ["chrome_trace", "write_trace"]
+
+_REAL, _EMULATED = 1, 2
+
+
+def _meta(pid: int, tid: int | None, name: str, kind: str) -> dict[str, Any]:
+    event = {"ph": "M", "pid": pid, "name": kind, "args": {"name": name}}
+    if tid is not None:
+        event["tid"] = tid
+    return event
+
+
+def chrome_trace(report: dict[str, Any]) -> dict[str, Any]:
+    """The trace document for a run report (``run_summary.summarize``)."""
+    events: list[dict[str, Any]] = [
+        _meta(_REAL, None, f"real rank {report.get('real_rank')}", "process_name"),
+        _meta(_REAL, 1, "iterations", "thread_name"),
+        _meta(_EMULATED, None, f"emulated collectives ({report.get('world_size')} ranks, {report.get('model')})", "process_name"),
+    ]
+    marks = [0.0] + list(accumulate(report.get("iterations", [])))
+    for i, (a, b) in enumerate(zip(marks, marks[1:])):
+        events.append({"ph": "X", "pid": _REAL, "tid": 1, "name": f"iteration {i}", "ts": a * 1e6, "dur": (b - a) * 1e6,
+                       "args": {"warm-up": i < report.get("warmup", 0)}})
+    comms = sorted({o["comm"] for o in report.get("ops", [])})
+    tids = {c: k + 1 for k, c in enumerate(comms)}
+    sizes = report.get("communicators", {})
+    for c, tid in tids.items():
+        events.append(_meta(_EMULATED, tid, f"{c} ({len(sizes.get(c, [])) or '?'} ranks)", "thread_name"))
+    for o in report.get("ops", []):
+        if o.get("start") is None or o.get("end") is None:
+            continue
+        args = {"bytes": o["nbytes"], "ranks": o["ranks"], "algorithm": o["algorithm"], "iteration": o["iteration"],
+                "queued_us": (o["start"] - o["enqueue"]) * 1e6, "waited_us": o["wait"] * 1e6}
+        if o.get("extra"):
+            args["straggler_us"] = o["extra"] * 1e6
+        events.append({"ph": "X", "pid": _EMULATED, "tid": tids[o["comm"]], "name": o["op"], "cat": "collective",
+                       "ts": o["start"] * 1e6, "dur": (o["end"] - o["start"]) * 1e6, "args": args})
+        events.append({"ph": "i", "s": "t", "pid": _REAL, "tid": 1, "name": f"call {o['op']}", "ts": o["enqueue"] * 1e6})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(report: dict[str, Any], path: str | Path) -> None:
+    """Write the trace JSON."""
+    Path(path).write_text(json.dumps(chrome_trace(report)), encoding="utf-8")

@@ -1,0 +1,132 @@
+"""``nbox run`` end to end: an unmodified script as the real rank, the summary, the report and the trace."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch", reason="nbox run needs torch")
+
+from .conftest import ROOT, run_nbox  # noqa: E402
+
+PY = sys.executable
+
+TOPO = """
+cluster: {nodes: 8, ranks_per_node: 1}
+network: {type: switch, link: {bandwidth: 10Gbps, latency: 10us}}
+emulation: {library: gloo}
+"""
+
+# k blocking all-reduces per iteration, no compute to overlap with: iteration time grows by
+# exactly k x the injected delay.
+BLOCKING = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("nccl")          # what a torchrun script says; nbox swaps the backend
+    assert dist.get_world_size() == int(os.environ["WORLD_SIZE"])
+    x = torch.ones(1024)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for step in range(int(sys.argv[1])):
+        for _ in range(int(sys.argv[2])):
+            dist.all_reduce(x)
+            x.fill_(1)
+        opt.step()
+    print("ENV", os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"] != "")
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture
+def files(tmp_path):
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(TOPO)
+    script = tmp_path / "blocking.py"
+    script.write_text(BLOCKING)
+    return topo, script
+
+
+def _report(path):
+    return json.loads(path.read_text())
+
+
+def test_run_prints_summary_and_writes_report_and_trace(files, tmp_path):
+    topo, script = files
+    rep, trace = tmp_path / "run.json", tmp_path / "trace.json"
+    r = run_nbox("run", str(topo), "--report", str(rep), "--trace", str(trace), "--", PY, str(script), "6", "2")
+    assert r.returncode == 0, r.stderr
+    assert "ENV 0 0 8 True" in r.stdout
+    assert "iteration time" in r.stdout and "all_reduce" in r.stdout
+    doc = _report(rep)
+    assert doc["world_size"] == 8 and doc["warmup"] == 1 and len(doc["iterations"]) == 6
+    assert doc["per_op"]["all_reduce"]["count"] == 10  # 5 measured iterations x 2
+    assert doc["per_op"]["all_reduce"]["bytes"] == 10 * 4096
+    t = json.loads(trace.read_text())
+    names = {e["name"] for e in t["traceEvents"] if e["ph"] == "X"}
+    assert "all_reduce" in names and "iteration 3" in names
+
+
+def test_inject_adds_k_times_the_delay_per_iteration(files, tmp_path):
+    topo, script = files
+    medians = {}
+    for delay in ("0ms", "10ms"):
+        rep = tmp_path / f"{delay}.json"
+        r = run_nbox("run", str(topo), "--inject", f"all_reduce=+{delay}", "--report", str(rep), "-q",
+                     "--", PY, str(script), "8", "3")
+        assert r.returncode == 0, r.stderr
+        medians[delay] = _report(rep)["iteration_time"]["median"]
+    grew = medians["10ms"] - medians["0ms"]
+    assert grew == pytest.approx(3 * 10e-3, rel=0.05)
+
+
+def test_straggler_delays_collectives_by_its_extra_compute(tmp_path):
+    topo = tmp_path / "t.yaml"
+    topo.write_text(TOPO)
+    script = tmp_path / "compute.py"
+    script.write_text(textwrap.dedent(
+        """
+        import time, torch, torch.distributed as dist
+        dist.init_process_group()
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        for _ in range(6):
+            time.sleep(0.02)                     # 20 ms of "compute"
+            dist.all_reduce(torch.ones(4))
+            opt.step()
+        """
+    ))
+    meds = {}
+    for flag in ([], ["--straggler", "5=2.0"]):
+        rep = tmp_path / f"r{len(flag)}.json"
+        r = run_nbox("run", str(topo), *flag, "--report", str(rep), "-q", "--", PY, str(script))
+        assert r.returncode == 0, r.stderr
+        meds[len(flag)] = _report(rep)["iteration_time"]["median"]
+    # rank 5 computes twice as slow: it reaches every all-reduce ~20 ms after the real rank
+    assert meds[2] - meds[0] == pytest.approx(0.020, abs=0.004)
+
+
+def test_failing_command_exits_1_and_bad_input_exits_2(files, tmp_path):
+    topo, _ = files
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch.distributed as dist\ndist.init_process_group()\nraise SystemExit(3)\n")
+    r = run_nbox("run", str(topo), "--", PY, str(bad))
+    assert r.returncode == 1 and "exited with status 3" in r.stderr
+    r = run_nbox("run", str(topo), "--", "no-such-command-xyz")
+    assert r.returncode == 2 and "command not found" in r.stderr
+    r = run_nbox("run", str(topo), "--rank", "99", "--", PY, "-c", "pass")
+    assert r.returncode == 2 and "--rank" in r.stderr
+    r = run_nbox("run", str(topo), "--model", "nope", "--", PY, "-c", "pass")
+    assert r.returncode == 2 and "unknown model 'nope'" in r.stderr
+    r = run_nbox("run", str(topo), "--", PY, "-c", "print('no dist')")
+    assert r.returncode == 0 and "nothing was emulated" in r.stdout
+
+
+def test_the_example_ddp_script_trains_at_1024_ranks(tmp_path):
+    rep = tmp_path / "ddp.json"
+    r = run_nbox("run", str(ROOT / "topologies/cpu-64-demo.yaml"), "--world-size", "1024", "--report", str(rep), "-q",
+                 "--", PY, str(ROOT / "examples/ddp_train.py"), "--steps", "4", "--width", "128")
+    assert r.returncode == 0, r.stderr
+    assert "rank 0 of 1024" in r.stdout
+    doc = _report(rep)
+    assert doc["world_size"] == 1024 and doc["per_op"]["all_reduce"]["count"] >= 3
