@@ -1,6 +1,7 @@
 """``nbox run`` end to end: an unmodified script as the real rank, the summary, the report and the trace."""
 
 import json
+import statistics
 import sys
 import textwrap
 
@@ -130,3 +131,36 @@ def test_the_example_ddp_script_trains_at_1024_ranks(tmp_path):
     assert "rank 0 of 1024" in r.stdout
     doc = _report(rep)
     assert doc["world_size"] == 1024 and doc["per_op"]["all_reduce"]["count"] >= 3
+
+
+def _predicted_tail_growth(ops: list[dict], iteration: int, extra: float) -> float:
+    """How much later the iteration's last collective ends if each one takes ``extra`` longer (FIFO chaining)."""
+    its = sorted((o for o in ops if o["iteration"] == iteration and o["op"] == "all_reduce"), key=lambda o: o["seq"])
+    end_before = end_after = float("-inf")
+    for o in its:
+        end_before = max(o["enqueue"], end_before) + o["duration"]
+        end_after = max(o["enqueue"], end_after) + o["duration"] + extra
+    return end_after - end_before
+
+
+def test_ddp_overlap_hides_part_of_the_delay_as_the_timeline_predicts(tmp_path):
+    topo = tmp_path / "t.yaml"
+    topo.write_text(TOPO)
+    args = ["--", PY, str(ROOT / "examples/ddp_train.py"), "--steps", "16", "--width", "512", "--depth", "6",
+            "--bucket-mb", "0.5", "--batch", "256"]
+    docs = {}
+    for delay in ("0ms", "10ms"):
+        rep = tmp_path / f"{delay}.json"
+        r = run_nbox("run", str(topo), "--inject", f"all_reduce=+{delay}", "--report", str(rep), "-q", *args)
+        assert r.returncode == 0, r.stderr
+        docs[delay] = _report(rep)
+    base, slow = docs["0ms"], docs["10ms"]
+    buckets = base["per_op"]["all_reduce"]["count"] / base["iteration_time"]["count"]
+    assert buckets >= 4
+    grew = slow["iteration_time"]["median"] - base["iteration_time"]["median"]
+    # Overlap hides part of the delay: less than one delay per bucket, at least the last one.
+    assert 10e-3 * 0.8 < grew < buckets * 10e-3
+    # The FIFO timeline's prediction from the baseline's call times matches what happened.
+    its = range(base["warmup"], len(base["iterations"]))
+    predicted = statistics.median(_predicted_tail_growth(base["ops"], i, 10e-3) for i in its)
+    assert grew == pytest.approx(predicted, rel=0.1, abs=2e-3)

@@ -21,6 +21,7 @@ _BUILTINS = {
     "alpha-beta": "neuronabox.model.alphabeta:AlphaBetaModel",
     "nccl": "neuronabox.model.nccl:NcclModel",
     "flow": "neuronabox.model.flow:FlowModel",
+    "ideal": "neuronabox.model.ideal:IdealModel",
 }
 
 
