@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -123,6 +124,28 @@ def _drawing_graph(graph: ClusterGraph):
 
 
 _LAYER = {"core": 0, "spine": 0, "switch": 0, "agg": 1, "edge": 2, "leaf": 2}
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in _DIGITS.split(name)]
+
+
+def _layered_positions(h, collapsed: bool) -> dict[str, tuple[float, float]]:
+    """Switch tiers on top, then NICs, hosts and ranks; each tier sorted by name and spread evenly."""
+    layers: dict[int, list[str]] = {}
+    for v, d in h.nodes(data=True):
+        if d["kind"] == "switch":
+            layer = _LAYER.get(d.get("role", "switch"), 0)
+        else:
+            layer = {"nic": 3, "host": 3 if collapsed else 4, "rank": 5}[d["kind"]]
+        layers.setdefault(layer, []).append(v)
+    pos = {}
+    for layer, members in layers.items():
+        members.sort(key=_natural)
+        for i, v in enumerate(members):
+            pos[v] = ((i + 0.5) / len(members), -float(layer))
+    return pos
 
 
 def write_png(graph: ClusterGraph, path: str | Path) -> None:
@@ -138,13 +161,7 @@ def write_png(graph: ClusterGraph, path: str | Path) -> None:
     if ring:
         pos = nx.kamada_kawai_layout(h) if h.number_of_nodes() < 400 else nx.spring_layout(h, seed=1)
     else:
-        for v, d in h.nodes(data=True):
-            if d["kind"] == "switch":
-                d["layer"] = _LAYER.get(d.get("role", "switch"), 0)
-            else:
-                d["layer"] = {"nic": 3, "host": 4 if not collapsed else 3, "rank": 5}[d["kind"]]
-        pos = nx.multipartite_layout(h, subset_key="layer", align="horizontal", scale=1.0)
-        pos = {v: (x, -y) for v, (x, y) in pos.items()}
+        pos = _layered_positions(h, collapsed)
     colors = {"switch": "#d62728", "host": "#1f77b4", "nic": "#2ca02c", "rank": "#ff7f0e"}
     n = h.number_of_nodes()
     size = max(20, 900 // max(1, n // 10))
@@ -154,8 +171,9 @@ def write_png(graph: ClusterGraph, path: str | Path) -> None:
         nodes = [v for v, d in h.nodes(data=True) if d["kind"] == kind]
         if nodes:
             nx.draw_networkx_nodes(h, pos, nodelist=nodes, node_color=color, node_size=size, ax=ax, label=kind)
-    if n <= 80:
-        nx.draw_networkx_labels(h, pos, font_size=7, ax=ax)
+    layer_sizes = Counter(round(y, 6) for _, y in pos.values())
+    if max(layer_sizes.values()) <= 40:
+        nx.draw_networkx_labels(h, pos, font_size=6, ax=ax)
     topo = graph.topo
     ax.set_title(
         f"{topo.name}: {topo.world_size} ranks on {len(topo.nodes)} nodes, {topo.network.type}"
