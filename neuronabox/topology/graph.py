@@ -223,13 +223,14 @@ class ClusterGraph:
                 self._pred_cache[sa] = pred
             if sb not in pred:
                 raise TopologyError(self.topo.source, "network", f"{a} cannot reach {b}")
-            h = zlib.crc32(f"{a}>{b}".encode())
+            key = f"{a}>{b}>".encode()
             inner = [sb]
             v = sb
             while v != sa:
                 options = pred[v]
-                v = options[h % len(options)] if len(options) > 1 else options[0]
-                h = (h * 2654435761 + 1) & 0xFFFFFFFF
+                # A fresh hash per hop: reusing one value (or an LCG's low bits) makes the choices
+                # of consecutive hops correlated and piles flows onto a few core links.
+                v = options[zlib.crc32(key + v.encode()) % len(options)] if len(options) > 1 else options[0]
                 inner.append(v)
             inner.reverse()
         path = [a] if inner[0] != a else []
