@@ -28,6 +28,7 @@ test: venv
 bench: venv
 	$(BIN)/python benchmarks/model_speed.py
 	$(BIN)/python benchmarks/flow_speed.py
+	$(BIN)/python benchmarks/emu_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
