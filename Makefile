@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 (CPU build) lies on this kind of machine's disk; pinning it avoids a multi-GB CUDA download.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench clean venv
+.PHONY: demo test bench clean venv sysdeps
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,14 @@ demo: venv
 	$(BIN)/nbox run topologies/cpu-64-demo.yaml --report out/demo-run.json --trace out/demo-trace.json \
 		-- $(BIN)/python examples/ddp_train.py --steps 30
 
-test: venv
+# Root tests need iptables (the user-space delay relay, loss) and ping; install them as root when missing.
+sysdeps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! { command -v iptables && command -v ping; } >/dev/null; then \
+		echo "installing iptables and ping for the root tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iputils-ping >/dev/null; \
+	fi
+
+test: venv sysdeps
 	$(BIN)/python -m pytest -q
 
 bench: venv

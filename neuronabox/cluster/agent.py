@@ -1,0 +1,399 @@
+"""The shaping agent: one daemon per cluster, started by ``nbox up`` (``python -m neuronabox.cluster.agent``).
+
+It owns what changes while a cluster runs:
+
+- an HTTP/JSON API on 127.0.0.1 in the style of toxiproxy: ``GET /links``, ``GET /links/<name>``,
+  ``POST /links/<name>`` with ``{"rate": "100Mbps", "delay": "2ms", "jitter": "100us",
+  "loss": "0.1%", "direction": "both|ab|ba"}`` (strings with units, or numbers in bytes/s,
+  seconds and fractions), applied live (``tc change`` through pyroute2, the relay's delay
+  table, the loss rules); ``GET /metrics`` (Prometheus), ``GET /health``;
+- the user-space delay relay (``relay.py``) for all node namespaces when the kernel lacks netem;
+- per-link counters read from the kernel on each scrape: bytes and packets (the sending end's
+  tx counters) and drops (its qdisc's drops, its tx drops and the receiver's rx drops),
+  exported as ``nbox_link_*`` metrics in base units.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
+
+from ..errors import InputError
+from ..units import UnitError, parse_bandwidth, parse_duration, parse_ratio
+from .netns import Namespace
+from .relay import Delays, Relay, redirect_rule
+from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, iptables, loss_rules, mechanisms
+from .state import ClusterState
+
+__all__ = ["Agent", "NoSuchLink", "parse_shape_changes", "main"]
+
+
+class NoSuchLink(InputError):
+    """A link name the cluster does not have (HTTP 404)."""
+
+
+def parse_shape_changes(body: dict) -> dict[str, float]:
+    """Validate a POST body into base units (bytes/s, s, fraction); raises InputError."""
+    out: dict[str, float] = {}
+    parsers = {"rate": parse_bandwidth, "delay": parse_duration, "jitter": parse_duration, "loss": parse_ratio}
+    for key, value in body.items():
+        if key in ("direction", "toxics"):
+            continue
+        if key not in parsers:
+            raise InputError(f"unknown field {key!r} (rate, delay, jitter, loss, direction)")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            num = float(value)
+            if num < 0 or (key == "loss" and num > 1):
+                raise InputError(f"{key}: out of range: {value!r}")
+            out[key] = num
+        else:
+            try:
+                out[key] = 0.0 if key == "rate" and str(value).strip() in ("0", "none", "unlimited") else parsers[key](value)
+            except UnitError as exc:
+                raise InputError(f"{key}: {exc}") from None
+    return out
+
+
+class Agent:
+    """A cluster's live shaping state: links, their shapes, the kernel objects and the relay."""
+
+    def __init__(self, name: str):
+        self.name = name
+        st = ClusterState.load(name)
+        plan = st["plan"]
+        self.plan = plan
+        self.links = {lk["id"]: lk for lk in plan["links"]}
+        self.by_name = {lk["name"]: lk["id"] for lk in plan["links"]}
+        self.shapes = {int(k): [LinkShape(**v[0]), LinkShape(**v[1])] for k, v in st["shapes"].items()}
+        self.netem = bool(plan.get("netem"))
+        self.rate_kind = plan.get("rate_kind", "tbf")
+        self.subnet = plan["subnet"]
+        self.relay_port = plan["relay_port"]
+        self.hosts = plan["hosts"]  # [{"node", "ns", "address"}]
+        self.pair_links = plan["pair_links"]  # [[src node, dst node, [[link, dir], ...]], ...]
+        self.relay_ns: set[str] = set(plan.get("relay_ns", []))
+        self.lock = threading.RLock()
+        self.iprs: dict[str, object] = {}
+        # pyroute2 keeps one socket per thread, made in whatever namespace that thread is in
+        # when it first talks: every netlink call therefore runs on this one thread, whose
+        # sockets are made inside the right namespace.
+        self.nl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbox-netlink")
+        self.relay: Relay | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def link_id(self, name: str) -> int:
+        """A link's id from its name (``node0:0--switch``) or ``l<id>``/``<id>``."""
+        if name in self.by_name:
+            return self.by_name[name]
+        raw = name[1:] if name.startswith("l") else name
+        if raw.isdigit() and int(raw) in self.links:
+            return int(raw)
+        raise NoSuchLink(f"no link named {name!r} (GET /links lists them)")
+
+    def _ipr(self, ns: str):
+        ipr = self.iprs.get(ns)
+        if ipr is None:
+            ipr = self.iprs[ns] = Namespace(ns).iproute()
+        return ipr
+
+    # ---- delays for the relay -----------------------------------------------------------
+    def route_delays(self) -> dict[str, dict[str, Delays]]:
+        """Per node namespace: destination address -> one-way delays of the route both ways."""
+        addr = {h["node"]: h["address"] for h in self.hosts}
+        ns_of = {h["node"]: h["ns"] for h in self.hosts}
+        one_way: dict[tuple[str, str], tuple[float, float]] = {}
+        for src, dst, hops in self.pair_links:
+            d = sum(self.shapes[lid][dr].delay for lid, dr in hops)
+            j = sum(self.shapes[lid][dr].jitter for lid, dr in hops)
+            one_way[(src, dst)] = (d, j)
+        table: dict[str, dict[str, Delays]] = {ns: {} for ns in ns_of.values()}
+        for (src, dst), (d, j) in one_way.items():
+            rd, rj = one_way.get((dst, src), (0.0, 0.0))
+            if d or j or rd or rj:
+                table[ns_of[src]][addr[dst]] = Delays(d, rd, j, rj)
+        return table
+
+    def needs_relay(self) -> set[str]:
+        """Node namespaces that have a delayed route and so need their traffic redirected."""
+        return {ns for ns, t in self.route_delays().items() if t} if not self.netem else set()
+
+    def _sync_relay(self) -> None:
+        if self.netem or self.relay is None:
+            return
+        table = self.route_delays()
+        for ns in self.needs_relay() - self.relay_ns:
+            with ClusterState(self.name).locked() as st:
+                st.record("iptables", {"ns": ns, "rule": redirect_rule(self.relay_port, self.subnet)})
+            iptables(Namespace(ns), redirect_rule(self.relay_port, self.subnet))
+            self.relay_ns.add(ns)
+        for ns, t in table.items():
+            self.loop.call_soon_threadsafe(self.relay.set_delays, ns, t)
+
+    # ---- views ---------------------------------------------------------------------------
+    def view(self, lid: int, counters: dict | None = None) -> dict:
+        """A link as the API shows it."""
+        lk = self.links[lid]
+        ab, ba = self.shapes[lid]
+        out = {
+            "id": lid,
+            "name": lk["name"],
+            "a": {k: lk["a"][k] for k in ("ns", "ifname", "vertex", "addr")},
+            "b": {k: lk["b"][k] for k in ("ns", "ifname", "vertex", "addr")},
+            "ab": ab.as_dict(),
+            "ba": ba.as_dict(),
+            "mechanisms": mechanisms([ab, ba], self.netem, self.rate_kind),
+        }
+        if counters is not None:
+            out["counters"] = counters.get(lid)
+        return out
+
+    def counters(self) -> dict[int, dict[str, dict[str, int]]]:
+        """Per link and direction: bytes, packets and drops, read from the kernel now."""
+        return self.nl.submit(self._counters).result()
+
+    def _counters(self) -> dict[int, dict[str, dict[str, int]]]:
+        stats: dict[tuple[str, int], dict] = {}
+        qdrops: dict[tuple[str, int], int] = {}
+        namespaces = {lk[e]["ns"] for lk in self.links.values() for e in ("a", "b")}
+        with self.lock:
+            for ns in namespaces:
+                ipr = self._ipr(ns)
+                for msg in ipr.get_links():
+                    s = msg.get_attr("IFLA_STATS64") or {}
+                    stats[(ns, msg["index"])] = s
+                for q in ipr.get_qdiscs():
+                    s2 = q.get_attr("TCA_STATS2")
+                    drops = 0
+                    if s2 is not None:
+                        qs = s2.get_attr("TCA_STATS_QUEUE")
+                        drops = qs.get("drops", 0) if qs else 0
+                    qdrops[(ns, q["index"])] = qdrops.get((ns, q["index"]), 0) + drops
+        out: dict[int, dict[str, dict[str, int]]] = {}
+        for lid, lk in self.links.items():
+            per = {}
+            for label, src, dst in (("ab", lk["a"], lk["b"]), ("ba", lk["b"], lk["a"])):
+                s = stats.get((src["ns"], src["index"]), {})
+                r = stats.get((dst["ns"], dst["index"]), {})
+                per[label] = {
+                    "bytes": int(s.get("tx_bytes", 0)),
+                    "packets": int(s.get("tx_packets", 0)),
+                    "drops": int(qdrops.get((src["ns"], src["index"]), 0) + s.get("tx_dropped", 0) + r.get("rx_dropped", 0)),
+                }
+            out[lid] = per
+        return out
+
+    # ---- changes ----------------------------------------------------------------------------
+    def set_link(self, lid: int, changes: dict[str, float], direction: str = "both") -> dict:
+        """Apply new rate/delay/jitter/loss to a link (one or both directions), live."""
+        return self.nl.submit(self._set_link, lid, changes, direction).result()
+
+    def _set_link(self, lid: int, changes: dict[str, float], direction: str) -> dict:
+        if direction not in ("both", "ab", "ba"):
+            raise InputError(f"direction: expected both, ab or ba, got {direction!r}")
+        lk = self.links[lid]
+        with self.lock:
+            dirs = [0, 1] if direction == "both" else [0 if direction == "ab" else 1]
+            for d in dirs:
+                for k, v in changes.items():
+                    setattr(self.shapes[lid][d], k, v)
+            ab, ba = self.shapes[lid]
+            if "rate" in changes or (self.netem and changes):
+                for d in dirs:
+                    end = lk["a"] if d == 0 else lk["b"]
+                    self._set_rate(end, self.shapes[lid][d])
+            if "loss" in changes and not self.netem:
+                from types import SimpleNamespace as NS
+
+                link = NS(id=lid, a=NS(**lk["a"]), b=NS(**lk["b"]))
+                rules = loss_rules(link, ab.loss, ba.loss)
+                touched = sorted({lk["a"]["ns"], lk["b"]["ns"]})
+                with ClusterState(self.name).locked() as st:
+                    st.record("iptables", [{"ns": ns, "chains": LOSS_CHAIN} for ns in touched]
+                              + [{"ns": ns, "rule": r} for ns in touched for r in rules.get(ns, [])])
+                for ns in touched:
+                    apply_loss(Namespace(ns), rules.get(ns, []), {lid})
+            if ("delay" in changes or "jitter" in changes) and not self.netem:
+                self._sync_relay()
+            with ClusterState(self.name).locked() as st:
+                st.data.setdefault("shapes", {})[str(lid)] = [ab.as_dict(), ba.as_dict()]
+                st.save()
+        return self.view(lid)
+
+    def _set_rate(self, end: dict, shape: LinkShape) -> None:
+        ipr = self._ipr(end["ns"])
+        try:
+            apply_rate(ipr, end["index"], shape, self.rate_kind, change=True, netem=self.netem)
+        except Exception:  # noqa: BLE001 - no qdisc to change yet (an unshaped link): add one
+            try:
+                ipr.tc("del", index=end["index"])
+            except Exception:  # noqa: BLE001
+                pass
+            with ClusterState(self.name).locked() as st:
+                st.record("qdiscs", {"ns": end["ns"], "ifname": end["ifname"], "kind": self.rate_kind})
+            apply_rate(ipr, end["index"], shape, self.rate_kind, change=False, netem=self.netem)
+
+    # ---- metrics ----------------------------------------------------------------------------
+    def collector(self):
+        """A prometheus-client collector reading the kernel's counters at scrape time."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        agent = self
+
+        class LinkCollector:
+            """Reads every link's counters from the kernel when Prometheus scrapes."""
+
+            def collect(self):
+                counters = agent.counters()
+                labels = ["cluster", "link", "direction"]
+                fam = {
+                    "bytes": CounterMetricFamily("nbox_link_transmit_bytes", "Bytes sent into the link (sending end)", labels=labels),
+                    "packets": CounterMetricFamily("nbox_link_transmit_packets", "Packets sent into the link", labels=labels),
+                    "drops": CounterMetricFamily("nbox_link_drops", "Packets dropped by the shaping queue or the veth", labels=labels),
+                }
+                rate = GaugeMetricFamily("nbox_link_rate_bytes_per_second", "Configured rate (0: unshaped)", labels=labels)
+                delay = GaugeMetricFamily("nbox_link_delay_seconds", "Configured one-way delay", labels=labels)
+                jitter = GaugeMetricFamily("nbox_link_jitter_seconds", "Configured jitter", labels=labels)
+                loss = GaugeMetricFamily("nbox_link_loss_ratio", "Configured loss", labels=labels)
+                for lid, per in counters.items():
+                    name = agent.links[lid]["name"]
+                    for d, label in enumerate(("ab", "ba")):
+                        lv = [agent.name, name, label]
+                        for k, f in fam.items():
+                            f.add_metric(lv, per[label][k])
+                        s = agent.shapes[lid][d]
+                        rate.add_metric(lv, s.rate)
+                        delay.add_metric(lv, s.delay)
+                        jitter.add_metric(lv, s.jitter)
+                        loss.add_metric(lv, s.loss)
+                yield from fam.values()
+                yield from (rate, delay, jitter, loss)
+                if agent.relay is not None:
+                    c = CounterMetricFamily("nbox_relay_connections", "Connections through the delay relay", labels=["cluster"])
+                    c.add_metric([agent.name], agent.relay.connections)
+                    yield c
+                    b = CounterMetricFamily("nbox_relay_bytes", "Bytes through the delay relay", labels=["cluster"])
+                    b.add_metric([agent.name], agent.relay.bytes)
+                    yield b
+
+        return LinkCollector()
+
+    # ---- serving ----------------------------------------------------------------------------
+    def handler(self):
+        """The HTTP request handler class bound to this agent."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry()
+        registry.register(self.collector())
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            """GET/POST /links[/<name>], GET /metrics, GET /health."""
+
+            server_version = "nbox-agent"
+
+            def log_message(self, fmt, *args):  # keep the log for errors only
+                pass
+
+            def _send(self, code: int, body, ctype: str = "application/json") -> None:
+                data = body if isinstance(body, bytes) else (json.dumps(body, indent=1) + "\n").encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                path = unquote(self.path.split("?")[0]).rstrip("/")
+                try:
+                    if path == "/metrics":
+                        self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
+                    elif path == "/health":
+                        r = agent.relay
+                        self._send(200, {"cluster": agent.name, "pid": os.getpid(), "relay_namespaces": sorted(agent.relay_ns),
+                                         "relay": None if r is None else {"connections": r.connections, "bytes": r.bytes, "errors": r.errors}})
+                    elif path == "/links":
+                        c = agent.counters()
+                        self._send(200, [agent.view(lid, c) for lid in sorted(agent.links)])
+                    elif path.startswith("/links/"):
+                        lid = agent.link_id(path[len("/links/"):])
+                        self._send(200, agent.view(lid, agent.counters()))
+                    else:
+                        self._send(404, {"error": f"no such resource {path}"})
+                except InputError as exc:
+                    self._send(404, {"error": str(exc)})
+
+            def do_POST(self):
+                path = unquote(self.path.split("?")[0]).rstrip("/")
+                try:
+                    if not path.startswith("/links/"):
+                        self._send(404, {"error": f"no such resource {path}"})
+                        return
+                    lid = agent.link_id(path[len("/links/"):])
+                    n = int(self.headers.get("Content-Length") or 0)
+                    try:
+                        body = json.loads(self.rfile.read(n) or b"{}")
+                    except json.JSONDecodeError as exc:
+                        raise InputError(f"body is not JSON: {exc}") from None
+                    if not isinstance(body, dict):
+                        raise InputError("body must be a JSON object")
+                    changes = parse_shape_changes(body)
+                    self._send(200, agent.set_link(lid, changes, body.get("direction", "both")))
+                except NoSuchLink as exc:
+                    self._send(404, {"error": str(exc)})
+                except InputError as exc:
+                    self._send(400, {"error": str(exc)})
+                except Exception as exc:  # noqa: BLE001 - the kernel refused: report, keep serving
+                    self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+        return Handler
+
+    async def run(self, port: int = 0) -> None:
+        """Serve until SIGTERM: relay listeners in node namespaces, HTTP API on 127.0.0.1."""
+        self.loop = asyncio.get_running_loop()
+        if not self.netem:
+            self.relay = Relay(self.loop, port=self.relay_port)
+            for h in self.hosts:
+                await self.relay.listen(h["ns"], Namespace(h["ns"]))
+            for ns, t in self.route_delays().items():
+                self.relay.set_delays(ns, t)
+        httpd = ThreadingHTTPServer(("127.0.0.1", port), self.handler())
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True, name="nbox-agent-http").start()
+        info = {"pid": os.getpid(), "port": httpd.server_address[1], "url": f"http://127.0.0.1:{httpd.server_address[1]}",
+                "started": time.time()}
+        st = ClusterState(self.name)
+        tmp = st.dir / f".agent.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, st.dir / "agent.json")
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        # No httpd.shutdown(): it waits out serve_forever's 0.5 s poll; the thread is a daemon.
+        httpd.server_close()
+        if self.relay is not None:
+            self.relay.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the agent process."""
+    ap = argparse.ArgumentParser(prog="nbox-agent")
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--token", default="")  # only there so that `down` can find this process by its command line
+    args = ap.parse_args(argv)
+    asyncio.run(Agent(args.name).run(args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,570 @@
+"""The netns runtime for real: clusters come up, every pair talks along its route, shaping holds, down cleans.
+
+Root only (namespaces, veths, qdiscs, iptables). All traffic stays between namespaces these
+tests create. Measured figures are printed (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from neuronabox.cluster import runtime as rt
+from neuronabox.cluster.netns import Namespace, list_namespaces
+from neuronabox.cluster.state import ClusterState
+from neuronabox.topology.graph import ClusterGraph
+
+from .conftest import ROOT, topo
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, qdiscs, iptables)"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def state_dir(tmp_path_factory):
+    old = os.environ.get("NBOX_STATE_DIR")
+    d = tmp_path_factory.mktemp("nbox-state")
+    os.environ["NBOX_STATE_DIR"] = str(d)
+    yield d
+    for name in os.listdir(d):
+        if ClusterState.exists(name):
+            rt.down(name)
+    if old is None:
+        os.environ.pop("NBOX_STATE_DIR", None)
+    else:
+        os.environ["NBOX_STATE_DIR"] = old
+
+
+def switch_topo(n: int, bw: str = "10Gbps", lat: str = "0us"):
+    return topo(f"name: sw{n}\ncluster: {{nodes: {n}}}\nnetwork: {{type: switch, link: {{bandwidth: {bw}, latency: {lat}}}}}\n")
+
+
+def fat_tree_topo(n: int):
+    return topo(f"name: ft{n}\ncluster: {{nodes: {n}}}\nnetwork: {{type: fat-tree, link: {{bandwidth: 10Gbps, latency: 0us}}}}\n")
+
+
+def snapshot(name: str) -> dict:
+    """What a cluster could leave behind: namespaces, root links, root iptables rules, processes, state."""
+    import psutil
+
+    rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if "neuronabox.cluster.agent" in cmd and f"--name {name}" in cmd:
+            procs.append(p.pid)
+    return {
+        "namespaces": sorted(n for n in list_namespaces() if n.startswith(f"nbx-{name}-")),
+        "root_links": sorted(n for _, n in socket.if_nameindex()),
+        "iptables": sorted(line for line in rules.splitlines() if line.startswith("-")),
+        "processes": procs,
+        "state": ClusterState.exists(name),
+    }
+
+
+def agent(name: str):
+    url = ClusterState.load(name)["agent"]["url"]
+
+    def call(path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data, method="POST" if body is not None else "GET")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            raw = r.read()
+        return raw.decode() if path == "/metrics" else json.loads(raw)
+
+    return call
+
+
+def hosts(name: str) -> list[dict]:
+    return ClusterState.load(name)["plan"]["hosts"]
+
+
+# ---- reachability along the route ---------------------------------------------------------------
+def all_pairs_connect(name: str) -> int:
+    """A TCP listener in every node; every node connects to every other. Returns the pair count."""
+    hs = hosts(name)
+    servers = []
+    for h in hs:
+        s = Namespace(h["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((h["address"], 0))
+        s.listen(256)
+        servers.append(s)
+    pairs = 0
+    try:
+        for a in hs:
+            for b, srv in zip(hs, servers):
+                if a is b:
+                    continue
+                c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+                c.settimeout(5)
+                c.connect((b["address"], srv.getsockname()[1]))
+                assert c.getsockname()[0] == a["address"]  # the node address is the source
+                conn, peer = srv.accept()
+                assert peer[0] == a["address"]
+                conn.close()
+                c.close()
+                pairs += 1
+    finally:
+        for s in servers:
+            s.close()
+    return pairs
+
+
+def expected_l3_path(t, a: str, b: str, plan_ns: dict[str, str]) -> list[str]:
+    """Namespaces a packet is routed through (switches crossed at layer 2 only are left out)."""
+    g = ClusterGraph(t)
+    na = next(n for n in t.nodes if n.name == a)
+    nb = next(n for n in t.nodes if n.name == b)
+    verts = [v for v in g.route_vertices(na.first_rank, nb.first_rank) if g.g.nodes[v]["kind"] in ("nic", "switch")]
+    out: list[str] = []
+    for i, v in enumerate(verts):
+        d = g.g.nodes[v]
+        if d["kind"] == "switch":
+            prev_nic = g.g.nodes[verts[i - 1]]["kind"] == "nic"
+            next_nic = g.g.nodes[verts[i + 1]]["kind"] == "nic"
+            if prev_nic and next_nic:
+                continue
+            ns = plan_ns[v]
+        else:
+            ns = plan_ns[t.nodes[d["node"]].name]
+        if not out or out[-1] != ns:
+            out.append(ns)
+    return out
+
+
+def kernel_path(name: str, src: dict, dst: dict) -> list[str]:
+    """Follow the kernel's own forwarding decisions hop by hop (route get with iif at each router)."""
+    st = ClusterState.load(name)
+    plan = st["plan"]
+    owner: dict[str, tuple[str, int]] = {}
+    for lk in plan["links"]:
+        for e in (lk["a"], lk["b"]):
+            if e["addr"]:
+                owner[e["addr"]] = (e["ns"], e["index"])
+    for i, sw in enumerate(plan["switches"]):
+        if sw["address"]:
+            owner[sw["address"]] = (sw["ns"], None)
+    iprs: dict[str, object] = {}
+    try:
+        ns, iif, seq = src["ns"], None, [src["ns"]]
+        for _ in range(16):
+            ipr = iprs.get(ns) or iprs.setdefault(ns, Namespace(ns).iproute())
+            kw = {"dst": dst["address"], "src": src["address"]}
+            if iif is not None:
+                kw["iif"] = iif
+            r = ipr.route("get", **kw)[0]
+            if r["type"] == 2:  # RTN_LOCAL: arrived
+                return seq
+            gw = r.get_attr("RTA_GATEWAY")
+            ns, iif = owner[gw]
+            if iif is None:  # a switch's SVI: the packet comes in on its bridge
+                iif = (iprs.get(ns) or iprs.setdefault(ns, Namespace(ns).iproute())).link_lookup(ifname="br0")[0]
+            seq.append(ns)
+        raise AssertionError(f"no arrival after 16 hops: {seq}")
+    finally:
+        for ipr in iprs.values():
+            ipr.close()
+
+
+OTHER_TOPOLOGIES = {
+    "ring": "cluster: {nodes: 6}\nnetwork: {type: ring, link: {bandwidth: 10Gbps}}\n",
+    "rail-optimized": "cluster: {nodes: 4, ranks_per_node: 2}\nnetwork: {type: rail-optimized, nics_per_node: 2, link: {bandwidth: 10Gbps}}\n",
+}
+
+
+@pytest.mark.parametrize("kind,n", [("switch", 4), ("fat-tree", 16), ("ring", 6), ("rail-optimized", 4)])
+def test_cluster_comes_up_and_every_pair_reaches_every_other_along_its_route(kind, n):
+    if kind in OTHER_TOPOLOGIES:
+        t = topo(f"name: {kind.replace('-', '_')}\n" + OTHER_TOPOLOGIES[kind])
+    else:
+        t = switch_topo(n) if kind == "switch" else fat_tree_topo(n)
+    name = f"r{kind[:2]}{n}"
+    before = snapshot(name)
+    res = rt.up(t, runtime="netns", name=name)
+    try:
+        assert res.runtime == "netns" and len(res.nodes) == n and res.agent_url
+        print(f"\n{kind} {n} nodes: up in {res.seconds:.2f} s")
+        assert all_pairs_connect(name) == n * (n - 1)
+        plan = ClusterState.load(name)["plan"]
+        ns_of = {h["node"]: h["ns"] for h in plan["hosts"]} | {s["vertex"]: s["ns"] for s in plan["switches"]}
+        hs = plan["hosts"]
+        for a in hs:
+            for b in hs:
+                if a is not b:
+                    assert kernel_path(name, a, b) == expected_l3_path(t, a["node"], b["node"], ns_of), (a["node"], b["node"])
+        # Real traffic: the links on the route carry it, in the right direction.
+        call = agent(name)
+        for a, b in [(hs[0], hs[-1]), (hs[1], hs[n // 2])]:
+            c0 = {lk["id"]: lk["counters"] for lk in call("/links")}
+            send_bytes(a, b, 2_000_000)
+            c1 = {lk["id"]: lk["counters"] for lk in call("/links")}
+            route = next(p[2] for p in plan["pair_links"] if p[0] == a["node"] and p[1] == b["node"])
+            for lid, d in route:
+                key = "ab" if d == 0 else "ba"
+                assert c1[lid][key]["bytes"] - c0[lid][key]["bytes"] >= 2_000_000
+            on_route = {lid for lid, _ in route}
+            for lid in c0:
+                if lid not in on_route:
+                    moved = max(c1[lid][k]["bytes"] - c0[lid][k]["bytes"] for k in ("ab", "ba"))
+                    assert moved < 200_000, (lid, moved)
+        again = rt.up(t, runtime="netns", name=name)
+        assert again.already_up
+    finally:
+        rt.down(name)
+    assert snapshot(name) == before
+
+
+def send_bytes(a: dict, b: dict, nbytes: int) -> float:
+    """Send ``nbytes`` over TCP from node a to node b; returns the receiver's goodput (bytes/s)."""
+    srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind((b["address"], 0))
+    srv.listen(1)
+    res: dict = {}
+
+    def receive() -> None:
+        c, _ = srv.accept()
+        buf = bytearray(1 << 20)
+        n, t0, first = 0, None, 0
+        while True:
+            k = c.recv_into(buf)
+            if not k:
+                break
+            if t0 is None:
+                t0, first = time.perf_counter(), k
+            n += k
+        res["rate"] = (n - first) / max(time.perf_counter() - t0, 1e-9)
+        res["n"] = n
+        c.close()
+
+    th = threading.Thread(target=receive)
+    th.start()
+    c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+    c.connect((b["address"], srv.getsockname()[1]))
+    chunk = b"\0" * (256 << 10)
+    sent = 0
+    while sent < nbytes:
+        c.sendall(chunk[: min(len(chunk), nbytes - sent)])
+        sent += min(len(chunk), nbytes - sent)
+    c.close()
+    th.join(30)
+    srv.close()
+    assert res["n"] == nbytes
+    return res["rate"]
+
+
+# ---- shaping --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair():
+    """Two nodes on a switch, unshaped at first; the tests shape them live through the agent."""
+    name = "shp"
+    rt.up(switch_topo(2, bw="10Gbps", lat="0us"), runtime="netns", name=name)
+    yield name
+    rt.down(name)
+
+
+@pytest.mark.parametrize("mbit", [10, 100, 1000])
+def test_shaped_link_throughput_within_10_percent(pair, mbit):
+    call = agent(pair)
+    rate = mbit * 1e6 / 8
+    view = call("/links/node0:0--switch", {"rate": rate, "delay": 0})
+    assert view["ab"]["rate"] == rate and view["mechanisms"]["rate"] == "tbf"
+    a, b = hosts(pair)
+    got = send_bytes(a, b, int(rate * 0.6))  # about 0.6 s of traffic
+    err = got / rate - 1
+    print(f"\n{mbit} Mbit/s: TCP goodput {got * 8 / 1e6:.2f} Mbit/s, error {err:+.1%}")
+    assert abs(err) <= 0.10
+    # Reverse direction too (the switch port's egress).
+    got = send_bytes(b, a, int(rate * 0.6))
+    assert abs(got / rate - 1) <= 0.10
+
+
+def echo_rtt(a: dict, b: dict, rounds: int = 40) -> tuple[float, float]:
+    """Median TCP connect time and median 1-byte echo round trip from a to b."""
+    srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind((b["address"], 0))
+    srv.listen(4)
+
+    def serve() -> None:
+        c, _ = srv.accept()
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            d = c.recv(64)
+            if not d:
+                break
+            c.sendall(d)
+        c.close()
+
+    th = threading.Thread(target=serve)
+    th.start()
+    c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t0 = time.perf_counter()
+    c.connect((b["address"], srv.getsockname()[1]))
+    c.sendall(b"x")
+    c.recv(1)
+    first = time.perf_counter() - t0  # connect + first echo: the first byte pays the delay too
+    rtts = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        c.sendall(b"x")
+        c.recv(1)
+        rtts.append(time.perf_counter() - t)
+    c.close()
+    th.join(10)
+    srv.close()
+    rtts.sort()
+    return first, rtts[len(rtts) // 2]
+
+
+def test_user_space_delay_adds_the_set_delay(pair):
+    call = agent(pair)
+    a, b = hosts(pair)
+    call("/links/node0:0--switch", {"rate": "10Gbps", "delay": "1ms"})
+    call("/links/node0:0--switch", {"delay": 0})
+    _, base = echo_rtt(a, b)
+    for delay in (0.001, 0.005):
+        view = call("/links/node0:0--switch", {"delay": delay})
+        assert view["mechanisms"]["delay"] in ("relay (TCP)", "netem")
+        first, rtt = echo_rtt(a, b)
+        # The route crosses this link once each way: the round trip gains twice the one-way delay.
+        added = (rtt - base) / 2
+        print(f"\ndelay {delay * 1e3:g} ms: echo RTT {rtt * 1e3:.3f} ms (base {base * 1e3:.3f}), added one-way "
+              f"{added * 1e3:.3f} ms, error {(added - delay) * 1e6:+.0f} us; connect+first echo {first * 1e3:.3f} ms")
+        assert abs(added - delay) <= 0.10 * delay + 100e-6
+        assert first >= 2 * delay
+    call("/links/node0:0--switch", {"delay": 0})
+
+
+def test_jitter_keeps_the_stream_in_order(pair):
+    call = agent(pair)
+    a, b = hosts(pair)
+    call("/links/node0:0--switch", {"delay": "2ms", "jitter": "1ms"})
+    try:
+        payload = bytes(range(256)) * 4096
+        srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.bind((b["address"], 0))
+        srv.listen(1)
+        got = bytearray()
+
+        def rx():
+            c, _ = srv.accept()
+            while True:
+                d = c.recv(65536)
+                if not d:
+                    break
+                got.extend(d)
+            c.close()
+
+        th = threading.Thread(target=rx)
+        th.start()
+        c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        c.connect((b["address"], srv.getsockname()[1]))
+        for i in range(0, len(payload), 1000):
+            c.sendall(payload[i : i + 1000])
+        c.close()
+        th.join(20)
+        srv.close()
+        assert bytes(got) == payload
+    finally:
+        call("/links/node0:0--switch", {"delay": 0, "jitter": 0})
+
+
+def test_loss_and_metrics(pair):
+    call = agent(pair)
+    a, b = hosts(pair)
+    view = call("/links/node1:0--switch", {"loss": "20%"})
+    assert view["mechanisms"]["loss"] == "iptables statistic"
+    try:
+        # UDP datagrams node0 -> node1 cross this link once (switch -> node1): about 80% arrive.
+        rx = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_DGRAM)
+        rx.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: hold every datagram until read
+        rx.bind((b["address"], 0))
+        rx.settimeout(0.5)
+        tx = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for i in range(1000):
+            tx.sendto(i.to_bytes(4, "big"), rx.getsockname())
+            if i % 50 == 49:
+                time.sleep(0.002)  # stay far below any queue limit: only the loss rule drops
+        received = 0
+        try:
+            while True:
+                rx.recv(16)
+                received += 1
+        except socket.timeout:
+            pass
+        tx.close()
+        rx.close()
+        print(f"\nloss 20%: {received}/1000 datagrams arrived")
+        assert 720 <= received <= 880
+    finally:
+        call("/links/node1:0--switch", {"loss": 0})
+    metrics = call("/metrics")
+    assert 'nbox_link_transmit_bytes_total{cluster="shp",direction="ab",link="node0:0--switch"}' in metrics
+    assert "nbox_link_rate_bytes_per_second" in metrics and "nbox_link_loss_ratio" in metrics
+    drops = [line for line in metrics.splitlines() if line.startswith("nbox_link_drops_total")]
+    assert drops
+
+
+def test_bad_shape_requests_are_refused(pair):
+    call = agent(pair)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        call("/links/nosuch", {"rate": "1Gbps"})
+    assert e.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as e:
+        call("/links/node0:0--switch", {"rate": "fast"})
+    assert e.value.code == 400
+
+
+# ---- side by side, and down after a crash -----------------------------------------------------------
+def test_two_clusters_side_by_side_do_not_touch_each_other():
+    before_b = snapshot("sb")
+    ra = rt.up(switch_topo(2), runtime="netns", name="sa")
+    rb = rt.up(switch_topo(2), runtime="netns", name="sb")
+    try:
+        assert ra.nodes[0]["address"] == rb.nodes[0]["address"]  # same private range, separate namespaces
+        mid = snapshot("sb")
+        rt.down("sa")
+        assert snapshot("sb") == mid
+        assert all_pairs_connect("sb") == 2
+        assert snapshot("sa")["namespaces"] == []
+    finally:
+        for n in ("sa", "sb"):
+            if ClusterState.exists(n):
+                rt.down(n)
+    assert snapshot("sb") == before_b
+
+
+@pytest.mark.parametrize("phase", ["namespaces", "network", "shaping", "agent"])
+def test_down_after_kill_9_of_up_half_way_leaves_nothing(phase, tmp_path):
+    name = f"k{phase[:3]}"
+    yaml = tmp_path / "ft.yaml"
+    yaml.write_text("cluster: {nodes: 16}\nnetwork: {type: fat-tree, link: {bandwidth: 1Gbps, latency: 1ms, loss: 0.1%}}\n")
+    before = snapshot(name)
+    code = f"from neuronabox.cluster.runtime import up; up({str(yaml)!r}, runtime='netns', name={name!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NBOX_FAULT_PAUSE": phase})
+    line = ""
+    deadline = time.monotonic() + 30
+    while "nbox-fault-pause" not in line and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "up exited before the pause"
+    assert "nbox-fault-pause" in line
+    during = snapshot(name)
+    assert during["namespaces"] and during["state"]
+    if phase == "agent":
+        assert during["processes"]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    st = rt.status(name)[0]
+    assert st["phase"] == "creating" and not st["healthy"]
+    rt.down(name)
+    assert snapshot(name) == before
+
+
+def test_up_again_after_a_crash_rebuilds(tmp_path):
+    name = "rb"
+    yaml = tmp_path / "s.yaml"
+    yaml.write_text("cluster: {nodes: 3}\nnetwork: {type: switch, link: {bandwidth: 1Gbps}}\n")
+    code = f"from neuronabox.cluster.runtime import up; up({str(yaml)!r}, runtime='netns', name={name!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NBOX_FAULT_PAUSE": "network"})
+    while "nbox-fault-pause" not in proc.stderr.readline():
+        pass
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    res = rt.up(yaml, runtime="netns", name=name)
+    try:
+        assert not res.already_up
+        assert all_pairs_connect(name) == 6
+    finally:
+        rt.down(name)
+
+
+def test_cli_verbs(tmp_path):
+    from typer.testing import CliRunner
+
+    import neuronabox.cli.cluster_cmds  # noqa: F401 - registers the verbs
+    from neuronabox.cli import app
+
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("name: cli\ncluster: {nodes: 2}\nnetwork: {type: switch, link: {bandwidth: 100Mbps, latency: 1ms}}\n")
+    runner = CliRunner()
+    r = runner.invoke(app, ["up", str(yaml), "--runtime", "netns", "--name", "cli"])
+    assert r.exit_code == 0, r.output
+    assert "tbf" in r.output and "relay (TCP)" in r.output
+    try:
+        r = runner.invoke(app, ["status", "--json", "--name", "cli"])
+        assert json.loads(r.output)[0]["healthy"] is True
+        r = runner.invoke(app, ["shape", "node0:0--switch", "--rate", "50Mbps", "--delay", "2ms", "--name", "cli"])
+        assert r.exit_code == 0 and "50Mbps" in r.output, r.output
+        r = runner.invoke(app, ["exec", "--name", "cli", "node1", "--", sys.executable, "-c", "import sys; sys.exit(3)"])
+        assert r.exit_code == 3
+        r = runner.invoke(app, ["doctor", "--json"])
+        rows = {x["check"]: x for x in json.loads(r.output)}
+        assert rows["qdisc tbf"]["ok"] and rows["privileges"]["ok"]
+    finally:
+        r = runner.invoke(app, ["down", "cli"])
+        assert r.exit_code == 0, r.output
+
+
+def test_failed_up_takes_back_what_it_made():
+    from neuronabox.errors import InputError
+
+    before = snapshot("tb")
+    with pytest.raises(InputError, match="too small"):
+        rt.up(switch_topo(16), runtime="netns", name="tb", subnet="10.9.0.0/29")
+    assert snapshot("tb") == before
+
+
+def test_delay_change_applies_to_an_open_connection(pair):
+    call = agent(pair)
+    a, b = hosts(pair)
+    call("/links/node0:0--switch", {"delay": "1ms"})
+    srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind((b["address"], 0))
+    srv.listen(1)
+
+    def serve() -> None:
+        c, _ = srv.accept()
+        while d := c.recv(64):
+            c.sendall(d)
+        c.close()
+
+    th = threading.Thread(target=serve)
+    th.start()
+    c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    c.connect((b["address"], srv.getsockname()[1]))
+
+    def rtt() -> float:
+        xs = []
+        for _ in range(25):
+            t = time.perf_counter()
+            c.sendall(b"x")
+            c.recv(1)
+            xs.append(time.perf_counter() - t)
+        return sorted(xs)[12]
+
+    try:
+        slow = rtt()
+        call("/links/node0:0--switch", {"delay": "4ms"})
+        slower = rtt()
+        print(f"\nsame connection: RTT {slow * 1e3:.2f} ms at 1 ms, {slower * 1e3:.2f} ms at 4 ms")
+        assert slow == pytest.approx(0.002, abs=0.0005), (slow, slower)
+        assert slower == pytest.approx(0.008, abs=0.001), (slow, slower)
+    finally:
+        c.close()
+        th.join(10)
+        srv.close()
+        call("/links/node0:0--switch", {"delay": 0})
