@@ -1,0 +1,243 @@
+"""``nbox whatif``: run a training command over a grid of what-if knobs and tabulate the answers.
+
+A knob is ``NAME=V1,V2,...``:
+
+- ``inject.OP`` (``inject.all_reduce=0ms,2ms,5ms``; plain ``inject`` means all_reduce): extra latency per collective
+- ``latency_scale``, ``bandwidth_scale``: multiply every latency / network bandwidth
+- ``world_size``: grow or shrink the cluster
+- ``straggler.RANK`` (``straggler.3=1,1.5,2``): that rank computes this many times slower
+- ``model``: the delay model; ``topology``: another topology file
+
+The grid is the cartesian product; every point is one ``nbox run`` of the command, repeated
+``repeats`` times (the median of the run medians is reported).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..collectives import Op
+from ..errors import InputError
+from ..topology import Topology, load_topology
+from ..units import UnitError, parse_duration
+
+__all__ = ["Knob", "parse_sweep", "grid", "apply_point", "WhatIfResult", "run_sweep", "write_outputs"]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One swept knob: its name as written, and its values as written."""
+
+    name: str
+    values: tuple[str, ...]
+
+
+def parse_sweep(spec: str) -> Knob:
+    """``inject.all_reduce=0ms,2ms`` -> Knob; errors name the flag and the value."""
+    name, sep, values = spec.partition("=")
+    name = name.strip()
+    vals = tuple(v.strip() for v in values.split(",") if v.strip())
+    if not sep or not name or not vals:
+        raise InputError(f"--sweep: expected KNOB=V1,V2,... (e.g. inject.all_reduce=0ms,2ms), got {spec!r}")
+    if name == "inject":
+        name = "inject.all_reduce"
+    head, _, tail = name.partition(".")
+    try:
+        if head == "inject":
+            Op.parse(tail)
+            for v in vals:
+                parse_duration(v.lstrip("+"))
+        elif head in ("latency_scale", "bandwidth_scale"):
+            if any(float(v) <= 0 for v in vals):
+                raise ValueError("scales must be greater than zero")
+        elif head == "world_size":
+            if any(int(v) < 1 for v in vals):
+                raise ValueError("world sizes must be positive")
+        elif head == "straggler":
+            int(tail)
+            if any(float(v) <= 0 for v in vals):
+                raise ValueError("straggler factors must be greater than zero")
+        elif head == "topology":
+            for v in vals:
+                if not Path(v).is_file():
+                    raise ValueError(f"no such topology file {v!r}")
+        elif head != "model":
+            raise ValueError(
+                f"unknown knob {name!r} (inject.OP, latency_scale, bandwidth_scale, world_size, straggler.RANK, model, topology)"
+            )
+    except (ValueError, UnitError) as exc:
+        raise InputError(f"--sweep {spec!r}: {exc}") from None
+    return Knob(name, vals)
+
+
+def grid(knobs: Sequence[Knob]) -> list[dict[str, str]]:
+    """Every combination of the knobs' values, in order."""
+    names = [k.name for k in knobs]
+    if len(set(names)) != len(names):
+        raise InputError(f"--sweep: a knob is swept twice ({', '.join(names)})")
+    return [dict(zip(names, combo)) for combo in itertools.product(*(k.values for k in knobs))]
+
+
+def apply_point(base: Topology, point: dict[str, str]) -> tuple[Topology, str | None]:
+    """The topology (and model name, if swept) of one grid point."""
+    topo = load_topology(point["topology"]) if "topology" in point else base
+    whatif: dict[str, Any] = {}
+    inject = {k.value: f"{v}s" for k, v in topo.whatif.inject.items()}
+    stragglers = dict(topo.whatif.stragglers)
+    for name, value in point.items():
+        head, _, tail = name.partition(".")
+        if head == "inject":
+            inject[Op.parse(tail).value] = value.lstrip("+")
+        elif head in ("latency_scale", "bandwidth_scale"):
+            whatif[head] = float(value)
+        elif head == "world_size":
+            whatif[head] = int(value)
+        elif head == "straggler":
+            stragglers[int(tail)] = float(value)
+    whatif["inject"] = inject
+    whatif["stragglers"] = stragglers
+    return topo.with_changes(whatif=whatif), point.get("model")
+
+
+@dataclass
+class WhatIfResult:
+    """One grid point's answer."""
+
+    point: dict[str, str]
+    iteration_median_s: float
+    iteration_p95_s: float
+    exposed_median_s: float
+    comm_median_s: float
+    runs: list[float] = field(default_factory=list)
+
+
+def run_sweep(
+    base: Topology,
+    knobs: Sequence[Knob],
+    command: Sequence[str],
+    repeats: int = 1,
+    warmup: int | None = None,
+    progress: Callable[[int, int, dict[str, str], WhatIfResult | None], None] | None = None,
+) -> list[WhatIfResult]:
+    """Run the command at every grid point (repeats interleaved across the grid, so drift hits all points alike)."""
+    from ..emu.runner import run_command
+    from ..model.registry import create_model
+    from ..report.run_summary import summarize
+
+    points = grid(knobs)
+    prepared = []
+    for p in points:
+        topo, model = apply_point(base, p)
+        if model:
+            topo = topo.with_changes(emulation={"model": model})
+        create_model(topo)  # fail before running anything
+        prepared.append(topo)
+    reports: list[list[dict]] = [[] for _ in points]
+    total, done = len(points) * repeats, 0
+    for _ in range(repeats):
+        for i, (p, topo) in enumerate(zip(points, prepared)):
+            res = run_command(topo, command, topo.emulation.real_ranks[0])
+            if res.returncode != 0 or res.record is None:
+                raise InputError(f"whatif point {p}: the command failed (exit {res.returncode})")
+            reports[i].append(summarize(res.record, warmup))
+            done += 1
+            if progress:
+                progress(done, total, p, None)
+    results = []
+    for p, reps in zip(points, reports):
+        med = [r["iteration_time"]["median"] for r in reps]
+        results.append(
+            WhatIfResult(
+                point=p,
+                iteration_median_s=statistics.median(med),
+                iteration_p95_s=statistics.median(r["iteration_time"]["p95"] for r in reps),
+                exposed_median_s=statistics.median(r["exposed_per_iteration"]["median"] for r in reps),
+                comm_median_s=statistics.median(r["comm_modeled_per_iteration"]["median"] for r in reps),
+                runs=med,
+            )
+        )
+    return results
+
+
+def _numeric(value: str) -> float | None:
+    try:
+        return parse_duration(value.lstrip("+")) * 1e3  # durations plot in ms
+    except UnitError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path) -> list[Path]:
+    """CSV, Markdown table and one PNG per knob (iteration time and exposed communication versus the knob)."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = [k.name for k in knobs]
+    written = []
+    csv_path = out / "whatif.csv"
+    with csv_path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(names + ["iteration_median_ms", "iteration_p95_ms", "exposed_median_ms", "comm_modeled_median_ms", "runs"])
+        for r in results:
+            w.writerow([r.point[n] for n in names] + [f"{r.iteration_median_s * 1e3:.3f}", f"{r.iteration_p95_s * 1e3:.3f}",
+                        f"{r.exposed_median_s * 1e3:.3f}", f"{r.comm_median_s * 1e3:.3f}", len(r.runs)])
+    written.append(csv_path)
+    md = out / "whatif.md"
+    lines = ["| " + " | ".join(names) + " | iteration median (ms) | p95 (ms) | exposed comm (ms) | in collectives (ms) |",
+             "|" + "---|" * len(names) + "---:|---:|---:|---:|"]
+    for r in results:
+        lines.append("| " + " | ".join(r.point[n] for n in names) + f" | {r.iteration_median_s * 1e3:.2f} | "
+                     f"{r.iteration_p95_s * 1e3:.2f} | {r.exposed_median_s * 1e3:.2f} | {r.comm_median_s * 1e3:.2f} |")
+    md.write_text("\n".join(lines) + "\n")
+    written.append(md)
+    written += _plots(results, knobs, out)
+    return written
+
+
+def _plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for knob in knobs:
+        others = [k.name for k in knobs if k.name != knob.name]
+        series: dict[tuple, list[WhatIfResult]] = {}
+        for r in results:
+            series.setdefault(tuple(r.point[o] for o in others), []).append(r)
+        numeric = all(_numeric(v) is not None for v in knob.values)
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for key, rs in series.items():
+            xs = [(_numeric(r.point[knob.name]) if numeric else i) for i, r in enumerate(rs)]
+            label = ", ".join(f"{o}={v}" for o, v in zip(others, key)) or None
+            ax1.plot(xs, [r.iteration_median_s * 1e3 for r in rs], "o-", label=label)
+            ax2.plot(xs, [r.exposed_median_s * 1e3 for r in rs], "s-", label=label)
+        unit = " (ms)" if knob.name.startswith("inject") else ""
+        for ax, what in ((ax1, "iteration time (ms, median)"), (ax2, "exposed communication (ms per iteration)")):
+            ax.set_xlabel(knob.name + unit)
+            ax.set_ylabel(what)
+            ax.grid(alpha=0.3)
+            ax.set_ylim(bottom=0)
+            if not numeric:
+                ax.set_xticks(range(len(knob.values)), knob.values)
+        if knob.name.startswith("inject") and numeric and not others:
+            # Reference: the delay exposed once per iteration (only the last collective waited on).
+            base = results[0].iteration_median_s * 1e3
+            xs = [_numeric(v) for v in knob.values]
+            ax1.plot(xs, [base + x for x in xs], "--", color="gray", label="base + 1x delay")
+        if any(ax.get_legend_handles_labels()[0] for ax in (ax1,)):
+            ax1.legend(fontsize=8)
+        fig.suptitle(f"what-if: {knob.name}")
+        fig.tight_layout()
+        path = out / f"whatif_{knob.name.replace('.', '_')}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
