@@ -1,6 +1,6 @@
 """What the emulator costs the real rank (issue 3 goals), measured with interleaved, repeated runs.
 
-1. Overhead: the MLP workload's median iteration time under `nbox run` with the zero-cost
+1. Overhead: a small CNN's and an MLP's median iteration time under `nbox run` with the zero-cost
    `ideal` model (64 ranks) versus the same script with no torch.distributed at all, and
    versus DDP on a real 1-rank gloo group (what DDP itself costs). Goal: at most 2%.
 2. Completion lateness (actual minus modeled finish) of blocking all-reduces whose modeled
@@ -55,19 +55,20 @@ def _nbox(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=_env(), check=True)
 
 
-def overhead(repeats: int, iters: int) -> dict:
+def overhead(repeats: int, iters: int, arch: str) -> dict:
     """Median iteration time per variant, runs interleaved so machine noise hits all alike."""
-    script = str(WORK / "mlp_train.py")
+    script = str(WORK / "train_loop.py")
+    common = ["--arch", arch, "--iters", str(iters)]
     variants = {
         "plain (no torch.distributed)": lambda: subprocess.run(
-            [sys.executable, script, "--mode", "plain", "--iters", str(iters)], capture_output=True, text=True,
+            [sys.executable, script, "--mode", "plain", *common], capture_output=True, text=True,
             env=_env(), check=True).stdout,
         "DDP, real 1-rank gloo": lambda: subprocess.run(
-            [sys.executable, script, "--mode", "ddp", "--iters", str(iters)], capture_output=True, text=True,
+            [sys.executable, script, "--mode", "ddp", *common], capture_output=True, text=True,
             env=_env(), check=True).stdout,
         "DDP, nbox run, 64 ranks, ideal model": lambda: _nbox(
             "run", "topologies/cpu-64-demo.yaml", "--model", "ideal", "-q", "--",
-            sys.executable, script, "--mode", "ddp", "--iters", str(iters)).stdout,
+            sys.executable, script, "--mode", "ddp", *common).stdout,
     }
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(repeats):
@@ -113,13 +114,15 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/emu_overhead.json"))
     args = ap.parse_args()
-    o = overhead(args.repeats, args.iters)
-    print("iteration time (median of run medians):")
-    for k, v in o["median_iteration_s"].items():
-        print(f"  {k:40s} {v * 1e3:8.3f} ms")
-    print(f"  emulator overhead vs plain:    {o['overhead_vs_plain']:+.2%} (goal <= 2%)")
-    print(f"  emulator overhead vs real DDP: {o['overhead_vs_real_ddp']:+.2%}")
-    print(f"  DDP itself vs plain:           {o['ddp_itself_vs_plain']:+.2%}")
+    o = {}
+    for arch in ("cnn", "mlp"):
+        o[arch] = overhead(args.repeats, args.iters, arch)
+        print(f"{arch}: iteration time (median of run medians):")
+        for k, v in o[arch]["median_iteration_s"].items():
+            print(f"  {k:40s} {v * 1e3:8.3f} ms")
+        print(f"  nbox (DDP) vs plain:           {o[arch]['overhead_vs_plain']:+.2%} (goal <= 2%)")
+        print(f"  nbox vs the same DDP for real: {o[arch]['overhead_vs_real_ddp']:+.2%} (the emulator's own share)")
+        print(f"  DDP itself vs plain:           {o[arch]['ddp_itself_vs_plain']:+.2%}")
     lat = lateness(args.calls)
     print(f"lateness over {lat['ops']} blocking all-reduces of {lat['modeled_duration_s'] * 1e6:.0f} us modeled: "
           f"p50 {lat['p50_s'] * 1e6:.1f} us, p99 {lat['p99_s'] * 1e6:.1f} us (goal <= 200), max {lat['max_s'] * 1e6:.0f} us")

@@ -1,4 +1,7 @@
-"""Benchmark workload: an MLP trained with SGD; prints its per-iteration wall times as JSON.
+"""Benchmark workload: an MLP or a small CNN trained with SGD; prints its per-iteration wall times as JSON.
+
+The MLP is the worst case for DDP's own cost (little compute per gradient byte); the CNN is
+closer to vision training (convolutions reuse each weight many times).
 
 --mode plain: no torch.distributed at all; --mode ddp: DDP over whatever init_process_group
 gives (a real 1-rank gloo group under plain python, the nbox backend under nbox run).
@@ -15,6 +18,7 @@ import torch.nn as nn
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["plain", "ddp"], default="ddp")
+    p.add_argument("--arch", choices=["mlp", "cnn"], default="mlp")
     p.add_argument("--iters", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--width", type=int, default=1024)
@@ -23,10 +27,19 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    layers = [nn.Linear(256, args.width), nn.ReLU()]
-    for _ in range(args.depth):
-        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
-    model: nn.Module = nn.Sequential(*layers, nn.Linear(args.width, 10))
+    if args.arch == "mlp":
+        layers = [nn.Linear(256, args.width), nn.ReLU()]
+        for _ in range(args.depth):
+            layers += [nn.Linear(args.width, args.width), nn.ReLU()]
+        model: nn.Module = nn.Sequential(*layers, nn.Linear(args.width, 10))
+        x = torch.randn(args.batch, 256)
+    else:
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
+        )
+        x = torch.randn(args.batch // 4, 3, 32, 32)
     if args.mode == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -34,8 +47,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         model = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(args.batch, 256)
-    y = torch.randint(0, 10, (args.batch,))
+    y = torch.randint(0, 10, (x.shape[0],))
     loss_fn = nn.CrossEntropyLoss()
     times = []
     for i in range(args.warmup + args.iters):
