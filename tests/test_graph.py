@@ -113,3 +113,11 @@ def test_dot_output_lists_every_link():
     dot = g.to_dot()
     assert dot.startswith('graph "test"') and dot.count(" -- ") == len(list(g.physical_links()))
     assert '"node2/nic0" -- "switch"' in dot or '"switch" -- "node2/nic0"' in dot
+
+
+def test_gloo_links_carry_tcp_payload_only():
+    gloo = ClusterGraph(switch_topology(2, extra="emulation: {library: gloo}\n"))
+    assert gloo.route_bandwidth(0, 1) == pytest.approx(12.5e9 * 1448 / 1514)
+    jumbo = switch_topology(2, extra="emulation: {library: gloo}\n").with_changes(network={"mtu": 9000})
+    assert ClusterGraph(jumbo).route_bandwidth(0, 1) == pytest.approx(12.5e9 * 8948 / 9014)
+    assert ClusterGraph(switch_topology(2)).route_bandwidth(0, 1) == pytest.approx(12.5e9)  # nccl: RDMA

@@ -1,6 +1,7 @@
 """Synthesis: a resolved topology becomes a directed graph of hosts, ranks, NICs, switches and links.
 
-Every physical link is two arcs (full duplex, each with the link's bandwidth). Arc ids index
+Every physical link is two arcs (full duplex, each with the link's bandwidth, times the share
+that carries payload: see ``payload_efficiency``). Arc ids index
 flat arrays (``capacity``, ``latency``) so that models can work on numbers, not dicts.
 
 Graph vertices (strings, readable in dot/PNG output):
@@ -55,7 +56,8 @@ class ClusterGraph:
     def __init__(self, topo: Topology):
         self.topo = topo
         wi = topo.whatif
-        self._bw_scale = wi.bandwidth_scale
+        self.payload_efficiency = payload_efficiency(topo)
+        self._bw_scale = wi.bandwidth_scale * self.payload_efficiency
         self._lat_scale = wi.latency_scale
         self.g = nx.DiGraph()
         self._arcs: list[LinkInfo] = []
@@ -303,6 +305,24 @@ class ClusterGraph:
             lines.append(f'  "{a.src}" -- "{a.dst}" [{attrs}];')
         lines.append("}")
         return "\n".join(lines) + "\n"
+
+
+# Ethernet header, IPv4 and TCP with timestamps: what each full frame spends besides payload.
+_ETHERNET_HEADER = 14
+_TCP_IP_HEADERS = 20 + 32
+
+
+def payload_efficiency(topo: Topology) -> float:
+    """The share of a network link's rate that carries collective bytes.
+
+    gloo moves data over TCP: a full frame of MTU + 14 bytes carries MTU - 52 bytes of payload
+    (1448 of 1514 at MTU 1500), which a tbf-shaped link counts against its rate. NCCL's
+    transports (RDMA) carry 4 KiB or larger packets, where headers cost well under 1%.
+    """
+    if topo.emulation.library != "gloo":
+        return 1.0
+    mtu = topo.network.mtu
+    return (mtu - _TCP_IP_HEADERS) / (mtu + _ETHERNET_HEADER)
 
 
 def _link_label(a: LinkInfo) -> str:

@@ -126,6 +126,7 @@ class Network(_Strict):
     nics_per_node: int | None = Field(None, ge=1, description="default 1 (rail-optimized: ranks per node)")
     link: LinkSpec = Field(description="every link's parameters unless a link says otherwise")
     switch_latency: Duration = Field(0.0, description="forwarding latency per switch crossed")
+    mtu: int = Field(1500, ge=576, le=9216, description="IP MTU; with library gloo (TCP) it sets the payload share of a link")
     fat_tree: FatTree | None = None
     rail: Rail | None = None
     switches: list[str] = Field(default_factory=list, description="type links: switch names")
