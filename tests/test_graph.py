@@ -117,7 +117,14 @@ def test_dot_output_lists_every_link():
 
 def test_gloo_links_carry_tcp_payload_only():
     gloo = ClusterGraph(switch_topology(2, extra="emulation: {library: gloo}\n"))
-    assert gloo.route_bandwidth(0, 1) == pytest.approx(12.5e9 * 1448 / 1514)
+    assert gloo.route_bandwidth(0, 1) == pytest.approx(12.5e9 * 1448 / 1547)
     jumbo = switch_topology(2, extra="emulation: {library: gloo}\n").with_changes(network={"mtu": 9000})
-    assert ClusterGraph(jumbo).route_bandwidth(0, 1) == pytest.approx(12.5e9 * 8948 / 9014)
+    assert ClusterGraph(jumbo).route_bandwidth(0, 1) == pytest.approx(12.5e9 * 8948 / 9047)
     assert ClusterGraph(switch_topology(2)).route_bandwidth(0, 1) == pytest.approx(12.5e9)  # nccl: RDMA
+
+
+def test_shaping_rate_stays_the_line_rate():
+    g = ClusterGraph(switch_topology(2, extra="emulation: {library: gloo}\nwhatif: {bandwidth_scale: 0.5}\n"))
+    arc = next(a for a in g.arcs if a.kind == "net")
+    assert arc.rate == pytest.approx(12.5e9 * 0.5)
+    assert arc.capacity == pytest.approx(12.5e9 * 0.5 * 1448 / 1547)

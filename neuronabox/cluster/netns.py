@@ -522,7 +522,7 @@ def plan_network(topo, cluster: str, subnet: str = DEFAULT_SUBNET) -> NetworkPla
         ea, eb = make_end(u, v, li), make_end(v, u, li)
         back = gg.edges[v, u]
         links.append(
-            PlannedLink(li, link_name(u, v), ea, eb, arc.capacity, arc.latency, back["latency"], arc.jitter, arc.loss)
+            PlannedLink(li, link_name(u, v), ea, eb, arc.rate, arc.latency, back["latency"], arc.jitter, arc.loss)
         )
         vertex_end[(u, v)] = ea
         vertex_end[(v, u)] = eb

@@ -88,11 +88,11 @@ def route_table(graph: ClusterGraph, src: int, dst: int) -> Table:
         t.add_column(col)
     for u, v in zip(verts, verts[1:]):
         d = graph.g.edges[u, v]
-        bw = "unlimited" if d["capacity"] == float("inf") else format_bandwidth(d["capacity"])
+        bw = "unlimited" if d["rate"] == float("inf") else format_bandwidth(d["rate"])
         t.add_row(u, v, d["kind"], bw, format_duration(d["latency"]))
     t.caption = (
         f"total latency {format_duration(graph.route_latency(src, dst))}, "
-        f"bottleneck {format_bandwidth(graph.route_bandwidth(src, dst))}"
+        f"bottleneck {format_bandwidth(graph.route_bandwidth(src, dst))} of payload"
     )
     return t
 
