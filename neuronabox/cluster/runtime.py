@@ -93,6 +93,9 @@ def docker_engine() -> tuple[bool, str]:
     try:
         import docker  # type: ignore
 
+        if not hasattr(docker, "from_env"):
+            # A source checkout's docker/ folder imports as an empty namespace package.
+            raise ImportError("not the Docker SDK")
         try:
             docker.from_env(timeout=2).ping()
             return True, host
@@ -150,10 +153,10 @@ def up(
             notes.append(f"runtime auto: falling back to local ({why}); links are not shaped")
             say(notes[-1])
     if runtime == "docker":
-        ok, detail = docker_engine()
-        if not ok:
-            raise InputError(f"--runtime docker: no Docker engine answers ({detail}); use --runtime netns or local")
-        raise InputError("--runtime docker: a Docker engine answers, but this build cannot drive it yet; use --runtime netns")
+        from .docker_runtime import up as docker_up
+
+        # It checks the engine first (InputError naming the socket, nothing written) and keeps its own state.
+        return docker_up(topo, name=name, subnet=subnet, progress=progress)
     if runtime == "netns":
         ok, why = can_netns()
         if not ok:
@@ -183,6 +186,12 @@ def up(
                 _up_local(st, topo)
             else:
                 _up_netns(st, topo, subnet, shape, rate_kind, agent, say)
+            if agent:
+                # Stub peers hook (wire mode, stub.py): one per ring neighbour of the real ranks,
+                # recorded in the state before it starts, so `down` ends it like the agent.
+                from .stub import neighbour_nodes, start_stubs
+
+                start_stubs(st, neighbour_nodes(topo))
             st.set(phase="up", up_seconds=time.perf_counter() - t0)
         except BaseException:
             # A failed `up` takes back what it made, so no `down` is owed.
@@ -364,6 +373,10 @@ def down(name: str, timeout: float = 3.0, keep_lock: bool = False) -> dict:
     import psutil
 
     st = ClusterState.load(valid_name(name))
+    if st.get("runtime") == "docker":
+        from .docker_runtime import down as docker_down
+
+        return docker_down(name, keep_lock=keep_lock)
     names = [n["name"] for n in st["namespaces"]]
     victims: dict[int, psutil.Process] = {}
     for p in st["processes"]:
@@ -401,6 +414,11 @@ def status(name: str | None = None) -> list[dict]:
     out = []
     for n in [valid_name(name)] if name else list_clusters():
         st = ClusterState.load(n)
+        if st.get("runtime") == "docker":
+            from .docker_runtime import status as docker_status
+
+            out.append(docker_status(n))
+            continue
         plan = st.get("plan") or {}
         present = sum(1 for x in st["namespaces"] if Namespace(x["name"]).exists())
         agents = [p for p in st["processes"] if p.get("role") == "agent"]

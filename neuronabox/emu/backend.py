@@ -281,6 +281,9 @@ class NboxProcessGroup(dist.ProcessGroup):
         self._p2p: dict[int, Timeline] = {}
         self._sent: dict[tuple, torch.Tensor] = {}
         self._coalescing: list[NboxWork] | None = None
+        # Wire mode hook (neuronabox/emu/wire.py): when set, supported collectives move real bytes
+        # to stub peers over the cluster's links; each method below asks it first (None: model mode).
+        self._wire = getattr(emulator, "wire", None)
 
     # --- identity -------------------------------------------------------------------------------
 
@@ -324,6 +327,8 @@ class NboxProcessGroup(dist.ProcessGroup):
     ) -> NboxWork:
         tl = timeline if timeline is not None else self.timeline
         device = tensors[0].device if tensors else _CPU
+        if self._wire is not None and self._n > 1:  # wire mode hook: this op has no wire path; say so once
+            self._wire.fallback(op.value if device.type == "cpu" else f"{op.value} on {device.type}")
         if device.type == "cuda":
             if cuda_wait.available():
                 rec = tl.schedule_device(op, nbytes, str(device), root)
@@ -351,6 +356,8 @@ class NboxProcessGroup(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         n = self._n
+        if self._wire is not None and (w := self._wire.allreduce(self, tensors, op)) is not None:  # wire mode hook
+            return self._track(w)
 
         def mirror():
             for t in tensors:
@@ -367,6 +374,8 @@ class NboxProcessGroup(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         root = opts.rootRank if opts is not None else 0
+        if self._wire is not None and (w := self._wire.broadcast(self, tensors, root)) is not None:  # wire mode hook
+            return self._track(w)
         return self._issue(Op.BROADCAST, _nbytes(tensors), tensors, None, tensors, root)
 
     def reduce(self, tensors, opts=None):
@@ -387,6 +396,10 @@ class NboxProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """All-gather into lists: every output is a copy of the input."""
+        if self._wire is not None and len(input_tensors) == 1 and (  # wire mode hook
+                w := self._wire.all_gather(self, output_tensors[0], input_tensors[0], result=output_tensors)
+        ) is not None:
+            return self._track(w)
 
         def mirror():
             for outs, x in zip(output_tensors, input_tensors):
@@ -418,6 +431,8 @@ class NboxProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's name
         """All-gather into one tensor (``all_gather_into_tensor``): n copies of the input."""
+        if self._wire is not None and (w := self._wire.all_gather(self, output, input)) is not None:  # wire mode hook
+            return self._track(w)
         return self._issue(
             Op.ALL_GATHER, _nbytes([output]), [output, input], lambda: self._gather_into(output, input), [output]
         )
@@ -442,6 +457,10 @@ class NboxProcessGroup(dist.ProcessGroup):
         """Reduce-scatter from lists: our chunk of every peer is our own chunk, reduced n times."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         n, me = self._n, self._me
+        if self._wire is not None and len(output_tensors) == 1 and (  # wire mode hook
+                w := self._wire.reduce_scatter(self, output_tensors[0], list(input_tensors[0]), op,
+                                               result=list(output_tensors))) is not None:
+            return self._track(w)
 
         def mirror():
             for y, xs in zip(output_tensors, input_tensors):
@@ -465,6 +484,9 @@ class NboxProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 - torch's name
         """Reduce-scatter of one tensor (``reduce_scatter_tensor``): our chunk, reduced n times."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        # wire mode hook
+        if self._wire is not None and (w := self._wire.reduce_scatter(self, output, input, op)) is not None:
+            return self._track(w)
         return self._issue(
             Op.REDUCE_SCATTER,
             _nbytes([input]),
@@ -629,6 +651,8 @@ class NboxProcessGroup(dist.ProcessGroup):
             # NCCL's barrier is a device all-reduce that the CPU then waits for: the real rank
             # leaves it only once its own stream has drained. No other thread is involved.
             torch.cuda.current_stream().synchronize()
+        if self._wire is not None and (w := self._wire.barrier(self)) is not None:  # wire mode hook
+            return self._track(w)
         rec = self.timeline.schedule(Op.BARRIER, 0)
         return self._track(NboxWork(rec, [], self._emu))
 

@@ -61,6 +61,13 @@ class Emulator:
         self._names = itertools.count()
         self._lock = threading.Lock()
         self.contention = contention if contention is not None else sees_contention(self.model)
+        # Wire mode hook: `nbox run --cluster N --mode wire` sets NBOX_WIRE; collectives then move
+        # real bytes to stub peers (wire.py). None in model mode, the default.
+        self.wire = None
+        if os.environ.get("NBOX_WIRE"):
+            from .wire import WireClient
+
+            self.wire = WireClient.from_env(self)
 
     def new_timeline(self, group: Group, kind: str = "comm") -> Timeline:
         """A fresh communicator timeline: two process groups over the same ranks are still two NCCL communicators."""

@@ -51,8 +51,16 @@ def child_env(topology_file: Path, topology: Topology, real_rank: int, record: P
     return env
 
 
-def run_command(topology: Topology, command: Sequence[str], real_rank: int, model: str | None = None) -> RunResult:
-    """Run ``command`` as ``real_rank`` of ``topology``; returns its exit code and record."""
+def run_command(
+    topology: Topology,
+    command: Sequence[str],
+    real_rank: int,
+    model: str | None = None,
+    cluster: str | None = None,
+    mode: str = "model",
+    extra_env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run ``command`` as ``real_rank`` of ``topology`` (in its node of ``cluster`` if given); returns exit code and record."""
     if not command:
         raise InputError("nbox run: no command to run (usage: nbox run TOPOLOGY [OPTIONS] -- python train.py ARGS)")
     if not 0 <= real_rank < topology.world_size:
@@ -62,8 +70,12 @@ def run_command(topology: Topology, command: Sequence[str], real_rank: int, mode
         topo_file.write_text(yaml.safe_dump(_jsonable(topology.raw), sort_keys=False), encoding="utf-8")
         record_file = Path(tmp) / "record.json"
         env = child_env(topo_file, topology, real_rank, record_file, model)
+        env.update(extra_env or {})
+        # Cluster hook (nbox run --cluster N [--mode wire]): the real rank runs inside its node's
+        # namespace; wire mode also needs the stub peers up (neuronabox/cluster/stub.py).
+        preexec = _cluster_hook(env, topology, real_rank, cluster, mode) if cluster else None
         try:
-            child = subprocess.Popen(list(command), env=env)
+            child = subprocess.Popen(list(command), env=env, preexec_fn=preexec)
         except FileNotFoundError:
             raise InputError(f"nbox run: command not found: {command[0]!r}") from None
         except PermissionError:
@@ -71,6 +83,26 @@ def run_command(topology: Topology, command: Sequence[str], real_rank: int, mode
         rc = _wait(child)
         record = json.loads(record_file.read_text(encoding="utf-8")) if record_file.exists() else None
     return RunResult(rc, record)
+
+
+def _cluster_hook(env: dict[str, str], topology: Topology, real_rank: int, cluster: str, mode: str):
+    """Point ``env`` at the cluster (and wire mode); returns the preexec_fn that enters the real node's namespace."""
+    from ..cluster.netns import Namespace
+    from ..cluster.runtime import node_info, status
+    from ..cluster.stub import ensure_stub, neighbour_nodes
+
+    st = status(cluster)[0]
+    if st["phase"] != "up" or not st["healthy"]:
+        raise InputError(f"--cluster {cluster}: the cluster is not up and healthy (phase {st['phase']!r}); "
+                         "run `nbox up` first")
+    node = topology.node_of(real_rank).name
+    h = node_info(cluster, node)
+    env.update({"NBOX_CLUSTER": cluster, "NBOX_NODE": node, "NBOX_NODE_ADDR": h["address"]})
+    if mode == "wire":
+        env["NBOX_WIRE"] = "1"
+        for nb in neighbour_nodes(topology, [real_rank]):
+            ensure_stub(cluster, nb)
+    return Namespace(h["ns"]).preexec() if h.get("ns") else None
 
 
 def _wait(child: subprocess.Popen) -> int:

@@ -1,0 +1,667 @@
+"""The docker runtime of ``nbox up``: the compose project of ``compose.py``, run by a Docker engine.
+
+Host side (``up``, ``down``, ``status``): the project is rendered into the cluster's state
+directory (``<state>/<name>/compose/``) and brought up with ``docker compose`` when that CLI
+plugin answers, else through the Docker SDK (``pip install 'neuronabox[docker]'``, imported
+lazily), which creates the same network and containers from the rendered compose file. As
+for the other runtimes, the state file names every object before it is created (the
+``docker`` field: driver, project, networks, containers) and every object carries the label
+``nbox.cluster=<name>``, so ``down`` removes everything after a crash or a ``kill -9`` of
+``up``, and a failed ``up`` takes back what it made. No engine answering is an InputError
+that names the socket, raised before anything is written.
+
+Container side (``python -m neuronabox.cluster.docker_runtime agent``): the shaping agent
+of a docker cluster. All nodes share one bridge, so a node's link is its ``eth0``; the agent
+finds each node's processes (it runs with ``pid: host``) by ``NBOX_CLUSTER``/``NBOX_NODE`` in
+their environment, enters ``/proc/<pid>/ns/net`` and puts tbf (and netem where the host
+kernel has it) on ``eth0`` through netlink. It serves ``GET /health``, ``GET /links``,
+``POST /links/<node>`` (the body of the netns agent's API) and ``GET /metrics`` on every
+interface of its container, for Prometheus on the cluster network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import InputError
+from .state import ClusterState, default_name, valid_name
+
+__all__ = ["up", "down", "status", "engine_or_fail", "engine_answers", "docker_sdk", "compose_cli", "DockerAgent", "main"]
+
+LABEL = "nbox.cluster"
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+def docker_sdk():
+    """The Docker SDK module, or None (a checkout's ``docker/`` folder imports as an empty namespace package)."""
+    try:
+        import docker  # type: ignore
+    except ImportError:
+        return None
+    return docker if hasattr(docker, "from_env") else None
+
+
+def engine_answers() -> tuple[bool, str]:
+    """Whether a Docker engine answers at $DOCKER_HOST (default the unix socket), and where or why not."""
+    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    sdk = docker_sdk()
+    if sdk is not None:
+        try:
+            sdk.from_env(timeout=2).ping()
+            return True, host
+        except Exception as exc:  # noqa: BLE001 - any failure means no usable engine
+            first = (str(exc).splitlines() or [""])[0]
+            return False, f"{host}: {type(exc).__name__}{': ' + first if first else ''}"
+    if not host.startswith("unix://"):
+        return False, f"{host}: the Docker SDK (pip install 'neuronabox[docker]') is needed for a TCP engine"
+    import socket
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2)
+            s.connect(host[len("unix://"):])
+            s.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            reply = s.recv(64)
+    except OSError as exc:
+        return False, f"{host}: {exc.strerror or exc}"
+    return (b" 200 " in reply), (host if b" 200 " in reply else f"{host}: /_ping answered {reply[:20]!r}")
+
+
+def engine_or_fail() -> str:
+    """The Docker host that answers; InputError (one line, naming the socket) when none does."""
+    ok, detail = engine_answers()
+    if not ok:
+        raise InputError(f"--runtime docker: no Docker engine answers ({detail}); use --runtime netns or local")
+    return detail
+
+
+def compose_cli() -> list[str] | None:
+    """The ``docker compose`` command when the CLI plugin answers, else None."""
+    exe = shutil.which("docker")
+    if not exe:
+        return None
+    try:
+        r = subprocess.run([exe, "compose", "version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [exe, "compose"] if r.returncode == 0 else None
+
+
+def _sdk():
+    sdk = docker_sdk()
+    if sdk is None:
+        raise InputError("--runtime docker: neither `docker compose` nor the Docker SDK is installed "
+                         "(pip install 'neuronabox[docker]')")
+    return sdk.from_env(timeout=120)
+
+
+def _client(timeout: int = 30):
+    """A Docker SDK client, or None when there is no SDK or no engine."""
+    sdk = docker_sdk()
+    if sdk is None:
+        return None
+    try:
+        return sdk.from_env(timeout=timeout)
+    except Exception:  # noqa: BLE001 - no engine: callers work from the state file alone
+        return None
+
+
+# ---- up -----------------------------------------------------------------------------------------
+def up(
+    topology,
+    name: str | None = None,
+    *,
+    command: Sequence[str] = (),
+    gpus: int | None = None,
+    image_tag: str = "latest",
+    subnet: str | None = None,
+    progress=None,
+    **options: Any,
+):
+    """Bring a docker cluster up for ``topology`` (a path or a Topology); safe to call twice."""
+    from ..topology import Topology, load_topology
+    from .compose import DEFAULTS, render_compose
+
+    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    name = valid_name(name) if name else default_name(topo.name)
+    say = progress or (lambda msg: None)
+    # Before anything is written: no engine, no state file, nothing to take back.
+    host = engine_or_fail()
+    cli = compose_cli()
+    client = None if cli else _sdk()
+    t0 = time.perf_counter()
+    st = ClusterState(name)
+    with st.locked():
+        if st.path.exists():
+            if st.get("runtime") != "docker":
+                raise InputError(f"cluster {name!r} exists with runtime {st.get('runtime')!r}; "
+                                 f"run `nbox down {name}` first or pick another --name")
+            if st.get("phase") == "up" and _running(st, cli, client):
+                if st.get("topology_name") != topo.name:
+                    raise InputError(f"cluster {name!r} is already up with topology {st.get('topology_name')!r}; "
+                                     f"run `nbox down {name}` first or pick another --name")
+                return _result(st, already_up=True, notes=[f"cluster {name!r} is already up"])
+            say(f"cluster {name!r} was left half made (phase {st.get('phase')!r}); removing it first")
+            down(name, keep_lock=True)
+            st = ClusterState(name)
+        project_dir = st.dir / "compose"
+        try:
+            st.set(
+                phase="creating", runtime="docker", topology=str(topo.source), topology_name=topo.name,
+                created=time.time(), pid=os.getpid(), docker_host=host,
+                docker={"driver": "compose" if cli else "sdk", "project": None, "dir": str(project_dir),
+                        "networks": [], "containers": []},
+            )
+            rendered = render_compose(topo, project_dir, name=name, image_tag=image_tag, command=command, gpus=gpus,
+                                      subnet=subnet or DEFAULTS["subnet"], **options)
+            ctx = rendered.context
+            st.data["docker"]["project"] = ctx["project_name"]
+            st.set(plan={
+                "subnet": ctx["network"]["subnet"],
+                "hosts": [{"node": n["name"], "ns": None, "address": n["address"], "index": n["index"],
+                           "service": n["service"], "role": n["role"]} for n in ctx["nodes"]],
+                "links": [],
+            }, agent={"url": f"http://127.0.0.1:{ctx['agent_port']}"})
+            say(f"rendered {len(rendered.files)} files into {project_dir}")
+            if cli:
+                _compose(cli, st, ["up", "-d", "--build"], say)
+            else:
+                _sdk_up(client, st, rendered, say)
+            st.set(phase="up", up_seconds=time.perf_counter() - t0)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                down(name, keep_lock=True)
+            raise
+        finally:
+            if not st.path.exists():
+                st.remove_files()
+    return _result(st, seconds=time.perf_counter() - t0)
+
+
+def _compose(cli: list[str], st: ClusterState, args: list[str], say, check: bool = True) -> subprocess.CompletedProcess:
+    d = st["docker"]
+    cmd = [*cli, "-p", d["project"], "-f", str(Path(d["dir"]) / "compose.yaml"), *args]
+    say(" ".join(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"docker compose {args[0]} failed ({r.returncode}): {tail}")
+    return r
+
+
+def _abs_volume(spec: str, base: Path) -> str:
+    src, _, rest = spec.partition(":")
+    if src.startswith("."):
+        src = str((base / src).resolve())
+    return f"{src}:{rest}"
+
+
+def _ports(items: list[str]) -> dict[str, tuple[str, int] | int]:
+    out: dict[str, Any] = {}
+    for p in items:
+        parts = str(p).split(":")
+        if len(parts) == 3:
+            out[f"{parts[2]}/tcp"] = (parts[0], int(parts[1]))
+        elif len(parts) == 2:
+            out[f"{parts[1]}/tcp"] = int(parts[0])
+    return out
+
+
+def service_kwargs(project: str, svc_name: str, svc: dict, net_name: str, base: Path) -> dict[str, Any]:
+    """Keyword arguments of ``containers.run`` for one service of the rendered compose file."""
+    def literal(v):
+        # What compose itself would pass: its $$ is a literal $.
+        return str(v).replace("$$", "$")
+
+    kw: dict[str, Any] = {
+        "image": svc["image"],
+        "name": f"{project}-{svc_name}",
+        "detach": True,
+        "labels": {**svc.get("labels", {}), "com.docker.compose.project": project, "com.docker.compose.service": svc_name},
+        "environment": {k: literal(v) for k, v in svc.get("environment", {}).items()},
+        "network": net_name,
+    }
+    if "command" in svc:
+        kw["command"] = [literal(a) for a in svc["command"]] if isinstance(svc["command"], list) else literal(svc["command"])
+    if "hostname" in svc:
+        kw["hostname"] = svc["hostname"]
+    for key, arg in (("cap_add", "cap_add"), ("security_opt", "security_opt"), ("shm_size", "shm_size")):
+        if key in svc:
+            kw[arg] = svc[key]
+    if svc.get("pid") == "host":
+        kw["pid_mode"] = "host"
+    if "ipc" in svc:
+        kw["ipc_mode"] = svc["ipc"]
+    if svc.get("volumes"):
+        kw["volumes"] = [_abs_volume(v, base) for v in svc["volumes"]]
+    if svc.get("ports"):
+        kw["ports"] = _ports(svc["ports"])
+    addr = ((svc.get("networks") or {}).get("cluster") or {}).get("ipv4_address")
+    kw["networking_config"] = {net_name: {"Aliases": [svc_name], **({"IPAMConfig": {"IPv4Address": addr}} if addr else {})}}
+    for dev in (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices", []):
+        kw.setdefault("device_requests", []).append(
+            {"Driver": dev.get("driver", ""), "Count": int(dev.get("count", -1)), "Capabilities": [dev.get("capabilities", ["gpu"])]})
+    return kw
+
+
+def _sdk_up(client, st: ClusterState, rendered, say) -> None:
+    import yaml
+
+    spec = yaml.safe_load(rendered.compose_file.read_text())
+    project = st["docker"]["project"]
+    netspec = spec["networks"]["cluster"]
+    net_name = netspec.get("name", f"{project}-cluster")
+    _ensure_images(client, spec, say)
+    st.data["docker"]["networks"].append(net_name)
+    st.save()
+    ipam = netspec.get("ipam", {}).get("config", [{}])[0]
+    client.networks.create(
+        net_name, driver="bridge", labels={LABEL: st.name},
+        ipam={"Driver": "default", "Config": [{"Subnet": ipam.get("subnet"), "Gateway": ipam.get("gateway")}]},
+    )
+    for svc_name, svc in spec["services"].items():
+        kw = service_kwargs(project, svc_name, svc, net_name, rendered.out_dir)
+        st.data["docker"]["containers"].append(kw["name"])
+        st.save()
+        say(f"starting {kw['name']}")
+        client.containers.run(**kw)
+
+
+def _ensure_images(client, spec: dict, say) -> None:
+    seen: set[str] = set()
+    for svc in spec["services"].values():
+        image = svc["image"]
+        if image in seen:
+            continue
+        seen.add(image)
+        try:
+            client.images.get(image)
+            continue
+        except Exception:  # noqa: BLE001 - the SDK's ImageNotFound; any miss means make it
+            pass
+        build = svc.get("build")
+        if build:
+            say(f"building {image} from {build['dockerfile']}")
+            client.images.build(path=build["context"], dockerfile=build["dockerfile"], tag=image, rm=True)
+        else:
+            say(f"pulling {image}")
+            client.images.pull(image)
+
+
+# ---- down and status -----------------------------------------------------------------------------
+def down(name: str, keep_lock: bool = False) -> dict:
+    """Remove every container and network of docker cluster ``name`` (recorded or labelled), then its state."""
+    st = ClusterState.load(valid_name(name))
+    d = st.get("docker") or {}
+    removed = {"containers": 0, "networks": 0}
+    cli = compose_cli() if d.get("driver") == "compose" and d.get("project") else None
+    if cli and (Path(d["dir"]) / "compose.yaml").exists():
+        _compose(cli, st, ["down", "--remove-orphans", "--timeout", "5"], lambda m: None, check=False)
+    client = _client()
+    if client is not None:
+        # Recorded names catch objects made before their labels; labels catch those made before a record was saved.
+        found = {}
+        with contextlib.suppress(Exception):
+            for c in client.containers.list(all=True, filters={"label": f"{LABEL}={name}"}):
+                found[c.name] = c
+        for cname in d.get("containers", []):
+            if cname not in found:
+                with contextlib.suppress(Exception):
+                    found[cname] = client.containers.get(cname)
+        for c in found.values():
+            with contextlib.suppress(Exception):
+                c.remove(force=True)
+                removed["containers"] += 1
+        nets = {}
+        with contextlib.suppress(Exception):
+            for n in client.networks.list(filters={"label": f"{LABEL}={name}"}):
+                nets[n.name] = n
+        for nname in d.get("networks", []):
+            if nname not in nets:
+                with contextlib.suppress(Exception):
+                    nets[nname] = client.networks.get(nname)
+        for n in nets.values():
+            with contextlib.suppress(Exception):
+                n.remove()
+                removed["networks"] += 1
+    if d.get("dir"):
+        shutil.rmtree(d["dir"], ignore_errors=True)
+    st.remove_files(keep_lock=keep_lock)
+    # processes and namespaces: the keys `nbox down` prints for the other runtimes.
+    return {"name": name, **removed, "processes": 0, "namespaces": 0}
+
+
+def _containers(st: ClusterState, client, cli: list[str] | None = None) -> dict[str, str] | None:
+    """Container name -> state for the cluster's containers; None when nothing can ask the engine."""
+    if client is not None:
+        out = {}
+        with contextlib.suppress(Exception):
+            for c in client.containers.list(all=True, filters={"label": f"{LABEL}={st.name}"}):
+                out[c.name] = c.status
+        return out
+    d = st.get("docker") or {}
+    if cli and d.get("project") and (Path(d["dir"]) / "compose.yaml").exists():
+        r = _compose(cli, st, ["ps", "--all", "--format", "{{.Name}} {{.State}}"], lambda m: None, check=False)
+        if r.returncode == 0:
+            return dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+    return None
+
+
+def _running(st: ClusterState, cli, client) -> bool:
+    states = _containers(st, client or _client(10), cli) or {}
+    want = (st.get("docker") or {}).get("containers") or list(states)
+    return bool(want) and all(states.get(c) == "running" for c in want)
+
+
+def status(name: str) -> dict:
+    """Summary of docker cluster ``name`` (the keys of ``runtime.status`` rows, plus containers and project)."""
+    st = ClusterState.load(valid_name(name))
+    d = st.get("docker") or {}
+    states = _containers(st, _client(10), compose_cli() if d.get("driver") == "compose" else None)
+    recorded = d.get("containers") or sorted(states or {})
+    running = sum(1 for c in recorded if (states or {}).get(c) == "running")
+    return {
+        "name": name,
+        "runtime": "docker",
+        "phase": st.get("phase"),
+        "topology": st.get("topology"),
+        "project": d.get("project"),
+        "nodes": len((st.get("plan") or {}).get("hosts", [])),
+        "links": 0,
+        "namespaces": "-",
+        "containers": f"{running}/{len(recorded)}" if states is not None else f"?/{len(recorded)} (no engine)",
+        "agent": (st.get("agent") or {}).get("url"),
+        "healthy": st.get("phase") == "up" and states is not None and running == len(recorded) > 0,
+    }
+
+
+def _result(st: ClusterState, seconds: float = 0.0, already_up: bool = False, notes=()):
+    from .runtime import UpResult
+
+    plan = st.get("plan") or {}
+    return UpResult(st.name, "docker", plan.get("hosts", []), [], (st.get("agent") or {}).get("url"), seconds,
+                    already_up, list(notes))
+
+
+# ---- the agent inside the cluster -------------------------------------------------------------------
+def find_node_pids(cluster: str, nodes: list[str], proc: str = "/proc") -> dict[str, int]:
+    """Per node, the lowest pid whose environment has NBOX_CLUSTER=<cluster> and NBOX_NODE=<node>."""
+    want = {f"NBOX_NODE={n}".encode(): n for n in nodes}
+    tag = f"NBOX_CLUSTER={cluster}".encode()
+    out: dict[str, int] = {}
+    for entry in sorted((e for e in os.listdir(proc) if e.isdigit()), key=int):
+        if int(entry) == os.getpid():
+            continue
+        try:
+            env = Path(proc, entry, "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if tag not in env:
+            continue
+        for var in env:
+            node = want.get(var)
+            if node is not None and node not in out:
+                out[node] = int(entry)
+    return out
+
+
+class DockerAgent:
+    """The docker cluster's shaping agent: each node's eth0 egress, applied inside its container."""
+
+    def __init__(self, config: dict, proc: str = "/proc"):
+        from .shaping import LinkShape
+
+        self.cluster = config["cluster"]
+        self.nodes = {n["name"]: n for n in config["nodes"]}
+        self.shapes = {n["name"]: LinkShape(**n["shape"]) for n in config["nodes"]}
+        self.proc = proc
+        self.pids: dict[str, int] = {}
+        self.netem = False
+        self.errors: dict[str, str] = {}
+        self.port: int | None = None
+        self.ready = threading.Event()  # set once the API listens (port known)
+        self.lock = threading.RLock()
+        # pyroute2 sockets belong to the thread (and namespace) that made them: one netlink thread.
+        self.nl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbox-netlink")
+
+    def _ns(self, node: str):
+        from .netns import Namespace
+
+        ns = Namespace(f"docker-{node}")
+        ns.path = f"{self.proc}/{self.pids[node]}/ns/net"
+        return ns
+
+    def _apply(self, node: str, change: bool) -> None:
+        from .shaping import apply_rate
+
+        ipr = self._ns(node).iproute()
+        try:
+            idx = ipr.link_lookup(ifname="eth0")[0]
+            if not change:
+                with contextlib.suppress(Exception):
+                    ipr.tc("del", index=idx)
+            try:
+                apply_rate(ipr, idx, self.shapes[node], "tbf", change=change, netem=self.netem)
+            except Exception:  # noqa: BLE001 - nothing to change yet: install afresh
+                with contextlib.suppress(Exception):
+                    ipr.tc("del", index=idx)
+                apply_rate(ipr, idx, self.shapes[node], "tbf", change=False, netem=self.netem)
+        finally:
+            ipr.close()
+
+    def discover(self) -> list[str]:
+        """Find nodes not yet shaped (or restarted) and shape them; returns the nodes shaped now."""
+        alive = {n: p for n, p in self.pids.items() if os.path.exists(f"{self.proc}/{p}")}
+        missing = [n for n in self.nodes if n not in alive]
+        if not missing:
+            return []
+        found = find_node_pids(self.cluster, missing, self.proc)
+        done = []
+        with self.lock:
+            self.pids = {**alive, **found}
+            for node in found:
+                try:
+                    self.nl.submit(self._apply, node, False).result()
+                    self.errors.pop(node, None)
+                    done.append(node)
+                except Exception as exc:  # noqa: BLE001 - report per node, keep serving the rest
+                    self.errors[node] = f"{type(exc).__name__}: {exc}"
+                    self.pids.pop(node, None)
+        return done
+
+    def set_node(self, node: str, changes: dict[str, float]) -> dict:
+        """Change a node's egress shape live."""
+        if node not in self.nodes:
+            raise InputError(f"no node named {node!r} (GET /links lists them)")
+        with self.lock:
+            for k, v in changes.items():
+                setattr(self.shapes[node], k, v)
+            if node in self.pids:
+                self.nl.submit(self._apply, node, True).result()
+        return self.view(node)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Per node: eth0 tx bytes, packets and drops (qdisc and device), read now."""
+        return self.nl.submit(self._counters).result()
+
+    def _counters(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for node in list(self.pids):
+            try:
+                ipr = self._ns(node).iproute()
+            except OSError:
+                continue
+            try:
+                idx = ipr.link_lookup(ifname="eth0")[0]
+                s = ipr.get_links(idx)[0].get_attr("IFLA_STATS64") or {}
+                qdrops = 0
+                for q in ipr.get_qdiscs(idx):
+                    s2 = q.get_attr("TCA_STATS2")
+                    qs = s2.get_attr("TCA_STATS_QUEUE") if s2 is not None else None
+                    qdrops += qs.get("drops", 0) if qs else 0
+                out[node] = {"bytes": int(s.get("tx_bytes", 0)), "packets": int(s.get("tx_packets", 0)),
+                             "drops": int(qdrops + s.get("tx_dropped", 0))}
+            except Exception:  # noqa: BLE001 - a container that just went away
+                continue
+            finally:
+                ipr.close()
+        return out
+
+    def view(self, node: str, counters: dict | None = None) -> dict:
+        """A node's link as the API shows it."""
+        from .shaping import mechanisms
+
+        s = self.shapes[node]
+        m = mechanisms([s], self.netem)
+        if not self.netem:
+            # Without netem a docker node has no delay relay: delay, jitter and loss stay unapplied.
+            m = {**m, **{k: "none (host kernel lacks netem)" for k in ("delay", "loss") if m[k] != "none"}}
+        return {"name": node, "link": f"{node}:eth0", "address": self.nodes[node]["address"], "pid": self.pids.get(node),
+                "shape": s.as_dict(), "mechanisms": m, "error": self.errors.get(node),
+                **({"counters": (counters or {}).get(node)} if counters is not None else {})}
+
+    def metrics_text(self) -> bytes:
+        """Prometheus exposition of every node link (the netns agent's metric names)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        agent = self
+
+        class Collector:
+            def collect(self):
+                labels = ["cluster", "link", "direction"]
+                fam = {
+                    "bytes": CounterMetricFamily("nbox_link_transmit_bytes", "Bytes sent into the link (sending end)", labels=labels),
+                    "packets": CounterMetricFamily("nbox_link_transmit_packets", "Packets sent into the link", labels=labels),
+                    "drops": CounterMetricFamily("nbox_link_drops", "Packets dropped by the shaping queue or the device", labels=labels),
+                }
+                gauges = {k: GaugeMetricFamily(n, h, labels=labels) for k, n, h in (
+                    ("rate", "nbox_link_rate_bytes_per_second", "Configured rate (0: unshaped)"),
+                    ("delay", "nbox_link_delay_seconds", "Configured one-way delay"),
+                    ("jitter", "nbox_link_jitter_seconds", "Configured jitter"),
+                    ("loss", "nbox_link_loss_ratio", "Configured loss"))}
+                counters = agent.counters()
+                for node in agent.nodes:
+                    lv = [agent.cluster, f"{node}:eth0", "ab"]
+                    for k, f in fam.items():
+                        if node in counters:
+                            f.add_metric(lv, counters[node][k])
+                    for k, g in gauges.items():
+                        g.add_metric(lv, getattr(agent.shapes[node], k))
+                yield from fam.values()
+                yield from gauges.values()
+
+        registry = CollectorRegistry()
+        registry.register(Collector())
+        return generate_latest(registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0", stop: threading.Event | None = None) -> None:
+        """Shape, then serve the API until ``stop`` is set (or forever)."""
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import unquote
+
+        from .agent import parse_shape_changes
+
+        with contextlib.suppress(Exception):
+            from .shaping import has_netem
+
+            self.netem = has_netem()
+        stop = stop or threading.Event()
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            """GET /health, /links, /links/<node>, /metrics; POST /links/<node>."""
+
+            def log_message(self, fmt, *args):
+                pass
+
+            def _send(self, code: int, body, ctype: str = "application/json") -> None:
+                data = body if isinstance(body, bytes) else (json.dumps(body, indent=1) + "\n").encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                path = unquote(self.path.split("?")[0]).rstrip("/")
+                if path == "/metrics":
+                    self._send(200, agent.metrics_text(), "text/plain; version=0.0.4")
+                elif path == "/health":
+                    self._send(200, {"cluster": agent.cluster, "netem": agent.netem, "nodes": agent.pids, "errors": agent.errors})
+                elif path == "/links":
+                    c = agent.counters()
+                    self._send(200, [agent.view(n, c) for n in agent.nodes])
+                elif path.startswith("/links/") and path[len("/links/"):] in agent.nodes:
+                    self._send(200, agent.view(path[len("/links/"):], agent.counters()))
+                else:
+                    self._send(404, {"error": f"no such resource {path}"})
+
+            def do_POST(self):
+                path = unquote(self.path.split("?")[0]).rstrip("/")
+                node = path[len("/links/"):] if path.startswith("/links/") else None
+                if node not in agent.nodes:
+                    self._send(404, {"error": f"no such resource {path}"})
+                    return
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                    if not isinstance(body, dict):
+                        raise InputError("body must be a JSON object")
+                    self._send(200, agent.set_node(node, parse_shape_changes(body)))
+                except (InputError, json.JSONDecodeError) as exc:
+                    self._send(400, {"error": str(exc)})
+                except Exception as exc:  # noqa: BLE001 - the kernel refused: report, keep serving
+                    self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+        httpd = ThreadingHTTPServer((host, port), Handler)
+        httpd.daemon_threads = True
+        self.port = httpd.server_address[1]
+        self.ready.set()
+        threading.Thread(target=httpd.serve_forever, daemon=True, name="nbox-docker-agent-http").start()
+        try:
+            # Nodes start in any order and may restart: keep looking for the ones not shaped.
+            while not stop.wait(0 if not self.pids else 2.0):
+                self.discover()
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
+
+
+def _agent_main(argv: list[str]) -> int:
+    import signal
+
+    ap = argparse.ArgumentParser(prog="nbox-docker-agent", description="The shaping agent inside a docker cluster.")
+    ap.add_argument("--config", required=True, help="cluster.json rendered by nbox compose")
+    ap.add_argument("--port", type=int, default=9465)
+    ap.add_argument("--host", default="0.0.0.0")
+    args = ap.parse_args(argv)
+    agent = DockerAgent(json.loads(Path(args.config).read_text()))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent.serve(args.port, args.host, stop)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m neuronabox.cluster.docker_runtime agent ...`` (the container side)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "agent":
+        print("usage: python -m neuronabox.cluster.docker_runtime agent --config FILE [--port N]", file=sys.stderr)
+        return 2
+    return _agent_main(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,783 @@
+"""Wire mode: the real rank's collective bytes cross its shaped links to stub peers.
+
+The real rank executes its own part of each collective's ring schedule over TCP; the stub
+peers (``neuronabox.cluster.stub``, one process per node, started with the cluster) stand in
+for the emulated neighbours in their namespaces. This module holds the protocol, shared by
+both sides, and the real rank's client. It imports torch only inside the client's methods,
+so the stubs stay light.
+
+Protocol (version 1)
+====================
+
+Two planes, like NCCL's bootstrap and data channels:
+
+*Control* — a Unix stream socket per stub, ``<state dir>/stub-<node>.sock``. It crosses no
+network link, so it adds no bytes to the link counters and no latency: in the emulated
+cluster every rank reaches a collective together, so telling a stub that a collective began
+must take no modeled time. Messages are framed as ``!I`` length + UTF-8 JSON; a message may
+carry file descriptors (SCM_RIGHTS):
+
+- ``{"t": "hello", "session": S, "rank": R, "clock": T}`` -> reply ``{"t": "ok"}``. One
+  session per real-rank process; ``clock`` is the sender's CLOCK_MONOTONIC, for a check.
+- ``{"t": "arena", "size": N}`` + one fd: a memfd holding the real rank's mirror data. The
+  stub maps it read-only; a bigger one replaces it (never while an op uses it).
+- ``{"t": "op", "seq": Q, "op": NAME, "sends": [[t, frame, offset, length, dep], ...]}``:
+  the frames this stub sends to the real rank for collective ``Q``. ``t`` is an absolute
+  CLOCK_MONOTONIC time (stubs share the host's kernel clock with the real rank; network
+  namespaces do not virtualise it): the earliest moment the model's timeline of the rest of
+  the cluster lets that frame leave. ``dep`` >= 0 also holds the frame until the stub has
+  received the real rank's frame ``(Q, dep)``: in a 2-rank ring the stub is both neighbours,
+  and what it forwards at step k is what it got from us at step k-1. -1: no such wait. The
+  payload is ``arena[offset:offset+length]``: mirror data, the bytes of the real rank's input.
+- ``{"t": "fence", "seq": Q, "frame": F}`` -> reply ``{"t": "ack"}`` once the stub has
+  received the real rank's frame ``(Q, F)``, its last of the op: a collective is over for
+  the real rank when its own bytes have arrived, not when the kernel (or the delay relay)
+  took them.
+- ``{"t": "bye"}``: the session ends (EOF does the same).
+
+*Data* — TCP to the stub's node address, port ``STUB_PORT``, through the shaped links (and
+the agent's delay relay when the kernel has no netem). The real rank opens two connections
+per stub, each starting with the 13-byte hello ``!4sQB`` (``b"NBWH"``, session, kind):
+kind 1 carries the real rank's frames to the stub, which reads and discards them; kind 2
+carries the stub's frames to the real rank. A frame is the 16-byte header ``!IIQ`` (seq,
+frame, payload length) and the payload. A collective is identified by its ``seq`` (one
+counter per real-rank process; ops run in FIFO order on one wire thread), a transfer within
+it by ``frame``: ring step k, slice j of J is frame ``k*J + j`` (chunks are cut into slices
+of at most ``SLICE`` bytes, and each slice is forwarded as soon as it is reduced, the way
+NCCL pipelines a ring); a broadcast's slice j is frame j; a barrier's step k is frame k,
+with an empty payload. A stub drops what it receives, noting the last frame for ``dep``.
+
+Timing: the stub's send times are the model's per-step schedule (``Estimate.steps()``, the
+steps whose destination is the real rank) placed after the op's actual start on the wire
+(plus the emulated ranks' straggler delay), scaled so the schedule spans the modeled
+duration (what-if injections included); a schedule without such steps is spread evenly.
+The real rank's own sends leave as soon as the ring's data dependencies allow, and its op
+completes when it has received its last frame and the next rank acknowledged its own last one.
+
+Data semantics (mirror): every emulated rank holds the real rank's input, so the stub sends
+the real rank's own input chunks. A reduce-scatter partial from the previous rank at ring
+step k stands for k+1 identical contributions, which the real rank folds in with that
+multiplicity (SUM: ``own + (k+1)·recv``); all-gather phases receive a chunk and apply the
+n-fold reduction to it. So SUM gives x·n, AVG x, MAX/MIN x, PRODUCT x**n — the model mode's
+results, reduced from bytes that really crossed the link.
+
+Supported on CPU tensors: all_reduce, all_gather (into one tensor or a list), reduce_scatter,
+broadcast, barrier. Others (all_to_all, gather, scatter, reduce, send/recv, CUDA tensors,
+PREMUL_SUM/bitwise reductions, mixed dtypes) run in model mode, with one warning per op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+import uuid
+import warnings
+
+__all__ = [
+    "STUB_PORT", "HELLO", "FRAME", "send_msg", "recv_msg", "recv_exact", "WireClient", "ENV_WIRE", "ENV_CLUSTER",
+]
+
+STUB_PORT = 15100
+MAGIC = b"NBWH"
+HELLO = struct.Struct("!4sQB")  # magic, session, kind
+FRAME = struct.Struct("!IIQ")  # seq, frame, payload bytes
+KIND_TO_STUB, KIND_FROM_STUB = 1, 2
+MAX_MSG = 64 << 20
+SLICE = 262144  # ring chunks travel in slices of at most this size, so a ring pipelines
+ENV_WIRE = "NBOX_WIRE"
+ENV_CLUSTER = "NBOX_CLUSTER"
+
+
+# ---- control framing (both sides) ------------------------------------------------------------
+def send_msg(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
+    """Send one control message (length-prefixed JSON), with file descriptors if given."""
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    data = struct.pack("!I", len(body)) + body
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def recv_exact(sock: socket.socket, n: int, buf: memoryview | None = None) -> memoryview | None:
+    """Read exactly ``n`` bytes (into ``buf`` when given); None on a clean EOF before the first byte."""
+    out = buf if buf is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(out[got:n])
+        if not k:
+            if got == 0:
+                return None
+            raise ConnectionError(f"nbox wire: connection closed after {got} of {n} bytes")
+        got += k
+    return out[:n]
+
+
+def recv_msg(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """Receive one control message and the descriptors that came with it ((None, []) at EOF)."""
+    # The descriptors ride on the first bytes of a message, so read its length with recv_fds.
+    head, fds, _, _ = socket.recv_fds(sock, 4, 4)
+    if not head:
+        return None, []
+    if len(head) < 4:
+        rest = recv_exact(sock, 4 - len(head))
+        if rest is None:
+            raise ConnectionError("nbox wire: truncated control message")
+        head += bytes(rest)
+    (n,) = struct.unpack("!I", head)
+    if n > MAX_MSG:
+        raise ConnectionError(f"nbox wire: control message of {n} bytes")
+    body = recv_exact(sock, n)
+    if body is None:
+        raise ConnectionError("nbox wire: truncated control message")
+    return json.loads(bytes(body)), list(fds)
+
+
+def _send_frames(sock: socket.socket, header: bytes, payload) -> None:
+    sock.sendall(header)
+    if payload is not None and len(payload):
+        sock.sendall(payload)
+
+
+# ---- the real rank's side ---------------------------------------------------------------------
+class _Sender:
+    """Writes frames to one data connection in FIFO order, so the ring's sends overlap its receives."""
+
+    def __init__(self, sock: socket.socket, name: str):
+        self.sock = sock
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.done = 0
+        self.queued = 0
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def put(self, header: bytes, payload) -> int:
+        """Queue a frame; returns its ticket (wait for it with ``wait``)."""
+        self.queued += 1
+        self.q.put((header, payload))
+        return self.queued
+
+    def wait(self, ticket: int | None = None) -> None:
+        """Block until frame ``ticket`` (default: every queued frame) is written."""
+        target = self.queued if ticket is None else ticket
+        with self.cond:
+            while self.done < target and self.error is None:
+                self.cond.wait()
+        if self.error is not None:
+            raise ConnectionError(f"nbox wire: sending failed: {self.error}")
+
+    def _run(self) -> None:
+        while True:
+            header, payload = self.q.get()
+            if header is None:
+                return
+            try:
+                _send_frames(self.sock, header, payload)
+            except OSError as exc:
+                with self.cond:
+                    self.error = exc
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self.done += 1
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread after what is queued."""
+        self.q.put((None, None))
+
+
+class _Peer:
+    """The connections to one stub process: control, data to it, data from it."""
+
+    def __init__(self, node: str, ctl: socket.socket, out: socket.socket, inp: socket.socket):
+        self.node = node
+        self.ctl = ctl
+        self.out = out
+        self.inp = inp
+        self.sender = _Sender(out, f"nbox-wire-send-{node}")
+        self.arena_size = 0
+
+
+def _mv(t) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype; no numpy needed)."""
+    import ctypes
+
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+class _Job:
+    """One collective for the wire thread: what to run and how to finish its work."""
+
+    __slots__ = ("run", "work", "rec", "tl", "seq")
+
+    def __init__(self, run, work, rec, tl):
+        self.run = run
+        self.work = work
+        self.rec = rec
+        self.tl = tl
+        self.seq = 0
+
+
+def _make_work_class():
+    import torch
+    import torch.distributed as dist
+
+    class WireWork(dist.Work):
+        """A collective whose bytes cross the wire: complete when the wire thread says so."""
+
+        def __init__(self, rec, result):
+            super().__init__()
+            self.rec = rec
+            self._result = result
+            self._done = threading.Event()
+            # What the backend's coalescing group (_GroupWork) reads from the works it joins.
+            self._rec, self._event, self._device = rec, None, None
+            self._future = None
+            self._error: BaseException | None = None
+            self._lock = threading.Lock()
+
+        def _finish(self, error: BaseException | None = None) -> None:
+            with self._lock:
+                self._error = error
+                self._done.set()
+                fut = self._future
+            if fut is not None:
+                if error is None:
+                    fut.set_result(self._result)
+                else:
+                    fut.set_exception(error)
+
+        def wait(self, timeout=None) -> bool:
+            """Block until the real transfer is over."""
+            from .timeline import clock
+
+            t = clock()
+            limit = timeout.total_seconds() if timeout else None
+            if not self._done.wait(limit or None):
+                raise RuntimeError(f"nbox wire: {self.rec.op.value} timed out after {limit:.3f}s")
+            self.rec.wait += clock() - t
+            if self._error is not None:
+                raise RuntimeError(f"nbox wire: {self.rec.op.value} failed: {self._error}")
+            return True
+
+        def synchronize(self) -> None:
+            """Like ``wait``."""
+            self.wait()
+
+        def block_current_stream(self) -> None:
+            """CPU only: wait."""
+            self.wait()
+
+        def is_completed(self) -> bool:
+            """Whether the transfer is over."""
+            return self._done.is_set()
+
+        def is_success(self) -> bool:
+            """Whether it completed without error."""
+            return self._done.is_set() and self._error is None
+
+        def exception(self):
+            """The error, if it failed."""
+            return self._error
+
+        def result(self):
+            """The output tensors."""
+            return self._result
+
+        def source_rank(self) -> int:
+            """Not a recv."""
+            return -1
+
+        def get_future(self) -> torch.futures.Future:
+            """A future completed by the wire thread with the output tensors."""
+            with self._lock:
+                if self._future is None:
+                    self._future = torch.futures.Future()
+                    if self._done.is_set():
+                        if self._error is None:
+                            self._future.set_result(self._result)
+                        else:
+                            self._future.set_exception(self._error)
+                return self._future
+
+    return WireWork
+
+
+class WireClient:
+    """The real rank's end of wire mode: one wire thread, one set of connections per stub node."""
+
+    def __init__(self, emulator, cluster: str):
+        from ..cluster.state import ClusterState
+
+        self.emu = emulator
+        self.cluster = cluster
+        st = ClusterState.load(cluster)
+        self.hosts = {h["node"]: h for h in (st.get("plan") or {}).get("hosts", [])}
+        self.session = uuid.uuid4().int & ((1 << 63) - 1)
+        self.peers: dict[str, _Peer] = {}
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.warned: set[str] = set()
+        self.seq = 0
+        self.arena = None
+        self.arena_fd = -1
+        self.arena_size = 0
+        self._tmp = None
+        self._steps: dict = {}
+        self._Work = _make_work_class()
+        self._thread = threading.Thread(target=self._loop, name="nbox-wire", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, emulator) -> "WireClient | None":
+        """A client when ``NBOX_WIRE`` asks for wire mode (``nbox run --cluster N --mode wire``), else None."""
+        if not os.environ.get(ENV_WIRE):
+            return None
+        cluster = os.environ.get(ENV_CLUSTER)
+        if not cluster:
+            raise RuntimeError("nbox wire: NBOX_WIRE is set but NBOX_CLUSTER names no cluster")
+        return cls(emulator, cluster)
+
+    # ---- fallbacks ---------------------------------------------------------------------------
+    def fallback(self, what: str) -> None:
+        """Warn once that ``what`` runs in model mode."""
+        if what not in self.warned:
+            self.warned.add(what)
+            warnings.warn(f"nbox wire: {what} has no wire schedule here; it runs in model mode", RuntimeWarning,
+                          stacklevel=4)
+
+    # ---- ring geometry -----------------------------------------------------------------------
+    def _ring(self, pg):
+        """(ring order of group ranks, my position, prev global rank, next global rank)."""
+        rank_node = self.emu.topology.rank_node
+        glob = pg.global_ranks
+        order = sorted(range(len(glob)), key=lambda i: (rank_node[glob[i]], glob[i]))  # alpha-beta's ring order
+        me = order.index(pg.rank())
+        n = len(order)
+        return order, me, glob[order[(me - 1) % n]], glob[order[(me + 1) % n]]
+
+    def _node(self, rank: int) -> str:
+        return self.emu.topology.node_of(rank).name
+
+    def _peer(self, node: str) -> _Peer:
+        p = self.peers.get(node)
+        if p is not None:
+            return p
+        from ..cluster.stub import ensure_stub
+
+        info = ensure_stub(self.cluster, node)
+        ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        ctl.connect(info["control"])
+        send_msg(ctl, {"t": "hello", "session": self.session, "rank": self.emu.real_rank, "clock": time.perf_counter()})
+        reply, _ = recv_msg(ctl)
+        if not reply or reply.get("t") != "ok":
+            raise ConnectionError(f"nbox wire: stub on {node} refused the session: {reply}")
+        addr = self.hosts[node]["address"]
+        socks = []
+        for kind in (KIND_TO_STUB, KIND_FROM_STUB):
+            s = socket.create_connection((addr, info["port"]), timeout=30)
+            s.settimeout(None)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(HELLO.pack(MAGIC, self.session, kind))
+            socks.append(s)
+        p = _Peer(node, ctl, socks[0], socks[1])
+        self.peers[node] = p
+        return p
+
+    def _ensure_arena(self, size: int) -> None:
+        import mmap
+
+        if size <= self.arena_size:
+            return
+        size = max(1 << 20, 1 << (size - 1).bit_length())
+        fd = os.memfd_create("nbox-wire-arena", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        old, oldfd = self.arena, self.arena_fd
+        self.arena, self.arena_fd, self.arena_size = mm, fd, size
+        for p in self.peers.values():
+            self._share_arena(p)
+        if old is not None:
+            # The stubs hold their own mappings; ours of the old arena can go.
+            try:
+                old.close()
+            except BufferError:
+                pass
+            os.close(oldfd)
+
+    def _share_arena(self, p: _Peer) -> None:
+        if self.arena is not None and p.arena_size != self.arena_size:
+            send_msg(p.ctl, {"t": "arena", "size": self.arena_size}, [self.arena_fd])
+            p.arena_size = self.arena_size
+
+    def _publish(self, flat_bytes) -> None:
+        """Copy the real rank's input bytes into the arena (the stubs' mirror data)."""
+        import torch
+
+        n = flat_bytes.numel()
+        if n == 0:
+            return
+        self._ensure_arena(n)
+        torch.frombuffer(self.arena, dtype=torch.uint8, count=n).copy_(flat_bytes)
+
+    def _scratch(self, nbytes: int):
+        import torch
+
+        if self._tmp is None or self._tmp.numel() < nbytes:
+            self._tmp = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+        return self._tmp
+
+    # ---- the stubs' schedule from the model ------------------------------------------------
+    def _times(self, tl, op, nbytes: int, root: int, prev: int, me_global: int, count: int, rec) -> list[float]:
+        """Offsets (s from the op's start) at which the previous rank's ``count`` transfers to us may leave."""
+        key = (tl.group, op, nbytes, root, prev, me_global, count)
+        base = self._steps.get(key)
+        if base is None:
+            try:
+                est = tl.model.estimate(op, nbytes, tl.group, root)
+                starts = sorted(s.start for s in est.steps() if s.src == prev and s.dst == me_global)
+                span = max((s.end for s in est.steps()), default=0.0)
+            except Exception:  # noqa: BLE001 - a model without a schedule: spread evenly below
+                starts, span = [], 0.0
+            if len(starts) != count:
+                # This model's algorithm is not the ring the wire runs: keep its duration, ring's shape.
+                span = 1.0
+                starts = [k / max(count, 1) for k in range(count)]
+            base = (starts, span)
+            if len(self._steps) < 4096:
+                self._steps[key] = base
+        starts, span = base
+        scale = rec.duration / span if span > 0 else 0.0
+        return [s * scale for s in starts]
+
+    # ---- issuing (the backend's hooks call these on the caller's thread) ----------------------
+    def _cpu_dense(self, tensors) -> bool:
+        return bool(tensors) and all(t.device.type == "cpu" and not t.is_sparse for t in tensors)
+
+    def _reducible(self, redop, dtype) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        kind = redop.op if hasattr(redop, "op") else redop
+        R = dist.ReduceOp.RedOpType
+        if dtype == torch.bool or dtype.is_complex:
+            return False
+        return kind in (R.SUM, R.AVG, R.MAX, R.MIN, R.PRODUCT)
+
+    def _submit(self, pg, op, nbytes: int, root: int, result, run) -> object:
+        rec = pg.timeline.schedule(op, nbytes, root)
+        rec.algorithm = f"wire/{rec.algorithm}"
+        work = self._Work(rec, result)
+        self.q.put(_Job(run, work, rec, pg.timeline))
+        return work
+
+    def allreduce(self, pg, tensors, redop):
+        """All-reduce on the wire (ring), or None to fall back to model mode."""
+        from ..collectives import Op
+
+        if pg.size() == 1 or not self._cpu_dense(tensors) or len({t.dtype for t in tensors}) != 1:
+            return None
+        if not self._reducible(redop, tensors[0].dtype):
+            self.fallback(f"all_reduce with {getattr(redop, 'op', redop)}")
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self._submit(pg, Op.ALL_REDUCE, nbytes, 0, tensors,
+                            lambda job: self._run_allreduce(job, pg, tensors, redop))
+
+    def reduce_scatter(self, pg, output, inputs, redop, result=None):
+        """Reduce-scatter into ``output`` from ``inputs`` (one tensor of n chunks, or a list of n)."""
+        from ..collectives import Op
+
+        ins = inputs if isinstance(inputs, (list, tuple)) else [inputs]
+        if pg.size() == 1 or not self._cpu_dense([output, *ins]) or len({t.dtype for t in [output, *ins]}) != 1:
+            return None
+        if not self._reducible(redop, output.dtype):
+            self.fallback(f"reduce_scatter with {getattr(redop, 'op', redop)}")
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in ins)
+        if nbytes != output.numel() * output.element_size() * pg.size():
+            return None
+        return self._submit(pg, Op.REDUCE_SCATTER, nbytes, 0, [output] if result is None else result,
+                            lambda job: self._run_reduce_scatter(job, pg, output, ins, redop))
+
+    def all_gather(self, pg, outputs, inp, result=None):
+        """All-gather ``inp`` into ``outputs`` (one tensor of n chunks, or a list of n)."""
+        from ..collectives import Op
+
+        outs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        if pg.size() == 1 or not self._cpu_dense([*outs, inp]):
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in outs)
+        if nbytes != inp.numel() * inp.element_size() * pg.size():
+            return None
+        return self._submit(pg, Op.ALL_GATHER, nbytes, 0, [outputs] if result is None else result,
+                            lambda job: self._run_all_gather(job, pg, outs, inp))
+
+    def broadcast(self, pg, tensors, root: int):
+        """Broadcast along the ring's chain from ``root`` (a group rank)."""
+        from ..collectives import Op
+
+        if pg.size() == 1 or not self._cpu_dense(tensors):
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self._submit(pg, Op.BROADCAST, nbytes, root, tensors,
+                            lambda job: self._run_broadcast(job, pg, tensors, root))
+
+    def barrier(self, pg):
+        """A ring barrier of empty frames."""
+        from ..collectives import Op
+
+        if pg.size() == 1:
+            return None
+        return self._submit(pg, Op.BARRIER, 0, 0, [], lambda job: self._run_barrier(job, pg))
+
+    # ---- the wire thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        from .timeline import clock
+
+        import torch
+
+        torch.set_grad_enabled(False)  # thread-local: the wire's arithmetic records no autograd graph
+        while True:
+            job = self.q.get()
+            self.seq += 1
+            job.seq = self.seq
+            rec = job.rec
+            start = clock()
+            err = None
+            try:
+                job.run(job)
+            except BaseException as exc:  # noqa: BLE001 - reported through the work
+                err = exc
+            end = clock()
+            rec.start, rec.end, rec.completed = start, end, end
+            with job.tl._lock:
+                job.tl.last_end = max(job.tl.last_end, end)
+            job.work._finish(err)
+
+    def _announce(self, job, p: _Peer, sends: list[list]) -> None:
+        self._share_arena(p)
+        send_msg(p.ctl, {"t": "op", "seq": job.seq, "op": job.rec.op.value, "sends": sends})
+
+    def _fence(self, p: _Peer, seq: int, frame: int) -> None:
+        """Wait until the stub ``p`` has received our frame ``(seq, frame)``."""
+        p.sender.wait()
+        send_msg(p.ctl, {"t": "fence", "seq": seq, "frame": frame})
+        reply, _ = recv_msg(p.ctl)
+        if not reply or reply.get("t") != "ack":
+            raise ConnectionError(f"nbox wire: the stub on {p.node} did not acknowledge frame ({seq}, {frame}): {reply}")
+
+    def _recv_frame(self, p: _Peer, seq: int, step: int, dest: memoryview) -> None:
+        head = recv_exact(p.inp, FRAME.size)
+
+        if head is None:
+            raise ConnectionError(f"nbox wire: the stub on {p.node} closed the connection")
+        s, k, n = FRAME.unpack(head)
+        if (s, k) != (seq, step) or n != len(dest):
+            raise ConnectionError(
+                f"nbox wire: expected frame ({seq}, {step}, {len(dest)} B) from {p.node}, got ({s}, {k}, {n} B)")
+        if n:
+            recv_exact(p.inp, n, dest)
+
+    def _neighbours(self, pg):
+        order, me, prev, nxt = self._ring(pg)
+        pp, pn = self._peer(self._node(prev)), self._peer(self._node(nxt))
+        return order, me, prev, nxt, pp, pn
+
+    def _t0(self, job) -> float:
+        # The emulated ranks reach the op with us, or later by the straggler delay.
+        from .timeline import clock
+
+        return clock() + job.rec.extra
+
+    def _pipeline(self, job, pg, chunks: list, arena_off, first: int, nsteps: int, receive) -> None:
+        """A ring of ``nsteps`` steps over ``chunks`` (1-D tensors by chunk index), pipelined in slices.
+
+        Step k receives chunk ``recv(k)`` from the previous rank and forwards it, once
+        ``receive`` has stored it, as step k+1 to the next rank (in a ring the chunk received at
+        step k is the one sent at step k+1); step 0 sends chunk ``first``. Slices (``SLICE``
+        bytes) let step k+1 start before step k has fully arrived, as NCCL's ring does.
+        """
+        order, me, prev, nxt, pp, pn = self._neighbours(pg)
+        n = len(order)
+        esize = chunks[first].element_size()
+        J = max(1, -(-max(c.numel() for c in chunks) * esize // SLICE))
+
+        def parts(c: int) -> list[tuple[int, int]]:
+            m = chunks[c].numel()
+            return [(m * j // J, m * (j + 1) // J) for j in range(J)]
+
+        def recv_idx(k: int) -> int:
+            return order[(me - 1 - k) % n] if first == order[me] else order[(me - 2 - k) % n]
+
+        offs = self._times(job.tl, job.rec.op, job.rec.nbytes, 0, prev, pg.global_ranks[pg.rank()], nsteps, job.rec)
+        two = pp is pn
+        t0 = self._t0(job)
+        sends = []
+        for k in range(nsteps):
+            c = recv_idx(k)
+            for j, (lo, hi) in enumerate(parts(c)):
+                # A 2-rank ring: the stub is also our next rank, whose slice j of step k is what
+                # it got from us at step k-1.
+                sends.append([t0 + offs[k], k * J + j, arena_off(c) + lo * esize, (hi - lo) * esize,
+                              (k - 1) * J + j if two and k else -1])
+        self._announce(job, pp, sends)
+        seq, sender = job.seq, pn.sender
+        tickets: dict[tuple[int, int], int] = {}
+        for j, (lo, hi) in enumerate(parts(first)):
+            tickets[(first, j)] = sender.put(FRAME.pack(seq, j, (hi - lo) * esize), _mv(chunks[first][lo:hi]))
+        for k in range(nsteps):
+            c = recv_idx(k)
+            for j, (lo, hi) in enumerate(parts(c)):
+                dst = chunks[c][lo:hi]
+                sender.wait(tickets.get((c, j), 0))  # an earlier send of this slice must have left
+                receive(k, dst, lambda buf: self._recv_frame(pp, seq, k * J + j, buf))
+                if k + 1 < nsteps:
+                    tickets[(c, j)] = sender.put(FRAME.pack(seq, (k + 1) * J + j, (hi - lo) * esize), _mv(dst))
+        self._fence(pn, seq, nsteps * J - 1)
+
+    def _ring_reduce(self, job, pg, chunks: list, redop, allgather: bool, arena_off) -> None:
+        """Ring reduce-scatter (then all-gather) over ``chunks``, reducing the received bytes for real."""
+        import torch
+        import torch.distributed as dist
+
+        R = dist.ReduceOp.RedOpType
+        kind = redop.op if hasattr(redop, "op") else redop
+        n = pg.size()
+        tmp_all = self._scratch(max(c.numel() for c in chunks) * chunks[0].element_size())
+
+        def receive(k: int, dst, frame) -> None:
+            tmp = tmp_all[: dst.numel() * dst.element_size()].view(dst.dtype)
+            frame(_mv(tmp))
+            if k < n - 1:  # reduce-scatter: the previous rank's partial stands for k+1 inputs equal to ours
+                m = k + 1
+                if kind in (R.SUM, R.AVG):
+                    dst.add_(tmp, alpha=m)
+                elif kind == R.MAX:
+                    torch.maximum(dst, tmp, out=dst)
+                elif kind == R.MIN:
+                    torch.minimum(dst, tmp, out=dst)
+                else:  # PRODUCT
+                    dst.mul_(tmp.pow(m))
+                if k == n - 2 and kind == R.AVG:
+                    dst.div_(n)
+            elif kind == R.SUM:  # all-gather: a finished chunk, the n-fold reduction of its input
+                torch.mul(tmp, n, out=dst)
+            elif kind == R.PRODUCT:
+                torch.pow(tmp, n, out=dst)
+            else:  # AVG, MAX, MIN of n equal values
+                dst.copy_(tmp)
+
+        order, me = self._ring(pg)[:2]
+        first = order[(me - 1) % n]
+        self._pipeline(job, pg, chunks, arena_off, first, (n - 1) * (2 if allgather else 1), receive)
+
+    def _run_allreduce(self, job, pg, tensors, redop) -> None:
+        import torch
+
+        single = len(tensors) == 1 and tensors[0].is_contiguous()
+        acc = tensors[0].view(-1) if single else torch.cat([t.reshape(-1) for t in tensors])
+        n, e, es = pg.size(), acc.numel(), acc.element_size()
+        self._publish(acc.view(torch.uint8) if e else acc)
+        bounds = [e * i // n for i in range(n + 1)]
+        chunks = [acc[bounds[c] : bounds[c + 1]] for c in range(n)]
+        self._ring_reduce(job, pg, chunks, redop, True, lambda c: bounds[c] * es)
+        if not single:
+            pos = 0
+            for t in tensors:
+                t.copy_(acc[pos : pos + t.numel()].view(t.shape))
+                pos += t.numel()
+
+    def _run_reduce_scatter(self, job, pg, output, ins, redop) -> None:
+        import torch
+
+        acc = torch.cat([t.reshape(-1) for t in ins]) if len(ins) > 1 else ins[0].reshape(-1).clone()
+        n, m, es = pg.size(), output.numel(), acc.element_size()
+        self._publish(acc.view(torch.uint8))
+        chunks = [acc[c * m : (c + 1) * m] for c in range(n)]
+        self._ring_reduce(job, pg, chunks, redop, False, lambda c: c * m * es)
+        output.copy_(chunks[pg.rank()].view(output.shape))
+
+    def _run_all_gather(self, job, pg, outs, inp) -> None:
+        import torch
+
+        n = pg.size()
+        if len(outs) == 1:
+            if not outs[0].is_contiguous():
+                raise RuntimeError("nbox wire: all_gather into a non-contiguous tensor")
+            flat, m = outs[0].view(-1), inp.numel()
+            chunks = [flat[i * m : (i + 1) * m] for i in range(n)]
+        else:
+            if not all(o.is_contiguous() for o in outs):
+                raise RuntimeError("nbox wire: all_gather into non-contiguous tensors")
+            chunks = [o.view(-1) for o in outs]
+        src = inp.reshape(-1).contiguous()
+        self._publish(src.view(torch.uint8))
+        mine = chunks[pg.rank()]
+        if mine.data_ptr() != src.data_ptr():
+            mine.copy_(src)
+        # Every peer's chunk is its input, which mirror semantics says equals ours: arena offset 0.
+        self._pipeline(job, pg, chunks, lambda c: 0, pg.rank(), n - 1, lambda k, dst, frame: frame(_mv(dst)))
+
+    def _run_broadcast(self, job, pg, tensors, root: int) -> None:
+        import torch
+
+        order, me, prev, nxt, pp, pn = self._neighbours(pg)
+        n = len(order)
+        single = len(tensors) == 1 and tensors[0].is_contiguous()
+        buf = tensors[0].view(-1) if single else torch.cat([t.reshape(-1) for t in tensors])
+        raw = buf.view(torch.uint8) if buf.numel() else torch.empty(0, dtype=torch.uint8)
+        size = raw.numel()
+        slices = [(i, min(i + SLICE, size)) for i in range(0, size, SLICE)] or [(0, 0)]
+        hop = (me - order.index(root)) % n  # our place in the chain from the root
+        mv = _mv(raw)
+        if hop > 0:
+            # The previous rank forwards the root's data, which mirror semantics says is ours.
+            self._publish(raw)
+            offs = self._times(job.tl, job.rec.op, job.rec.nbytes, root, prev, pg.global_ranks[pg.rank()], 1, job.rec)
+            t = self._t0(job) + offs[0]
+            self._announce(job, pp, [[t, j, lo, hi - lo, -1] for j, (lo, hi) in enumerate(slices)])
+        for j, (lo, hi) in enumerate(slices):
+            if hop > 0:
+                self._recv_frame(pp, job.seq, j, mv[lo:hi])
+            if hop < n - 1:
+                pn.sender.put(FRAME.pack(job.seq, j, hi - lo), mv[lo:hi])
+        if hop < n - 1:
+            self._fence(pn, job.seq, len(slices) - 1)
+        if not single:
+            pos = 0
+            for t in tensors:
+                t.copy_(buf[pos : pos + t.numel()].view(t.shape))
+                pos += t.numel()
+
+    def _run_barrier(self, job, pg) -> None:
+        order, me, prev, nxt, pp, pn = self._neighbours(pg)
+        n = len(order)
+        steps = 2 * (n - 1)
+        offs = self._times(job.tl, job.rec.op, 0, 0, prev, pg.global_ranks[pg.rank()], steps, job.rec)
+        two = pp is pn
+        t0 = self._t0(job)
+        self._announce(job, pp, [[t0 + offs[k], k, 0, 0, k - 1 if two and k else -1] for k in range(steps)])
+        empty = memoryview(b"")
+        for k in range(steps):
+            pn.sender.put(FRAME.pack(job.seq, k, 0), None)
+            self._recv_frame(pp, job.seq, k, empty)
+        self._fence(pn, job.seq, steps - 1)
+
+    def close(self) -> None:
+        """End the sessions (the stubs drop them; the process may exit without this)."""
+        for p in self.peers.values():
+            try:
+                send_msg(p.ctl, {"t": "bye"})
+            except OSError:
+                pass
+            p.sender.close()
