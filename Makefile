@@ -22,11 +22,13 @@ demo: venv
 	$(BIN)/nbox run topologies/cpu-64-demo.yaml --report out/demo-run.json --trace out/demo-trace.json \
 		-- $(BIN)/python examples/ddp_train.py --steps 30
 
-# Root tests need iptables (the user-space delay relay, loss) and ping; install them as root when missing.
+# Root tests need iptables (the user-space delay relay, loss) and ping; the metrics test needs a real
+# Prometheus server (Debian's, with promtool). Install them as root when missing.
 sysdeps:
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! { command -v iptables && command -v ping; } >/dev/null; then \
-		echo "installing iptables and ping for the root tests"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iputils-ping >/dev/null; \
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		! { command -v iptables && command -v ping && command -v prometheus && command -v promtool; } >/dev/null; then \
+		echo "installing iptables, ping and prometheus for the tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iputils-ping prometheus >/dev/null; \
 	fi
 
 test: venv sysdeps

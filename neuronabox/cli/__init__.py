@@ -46,7 +46,7 @@ BANDWIDTH_SCALE = typer.Option(None, "--bandwidth-scale", help="Multiply every n
 WORLD_SIZE = typer.Option(None, "--world-size", help="Grow or shrink the cluster to this many ranks.")
 
 # Verb modules register their commands on `app` when imported.
-from . import cluster_cmds, fidelity_cmds, model_cmds, run_cmd  # noqa: E402,F401
+from . import cluster_cmds, compose_cmds, fidelity_cmds, model_cmds, report_cmds, run_cmd  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,13 @@ def run(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace here."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Iterations left out of the statistics (default 1 of 3+)."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No summary at exit."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Run the real rank in its node of this cluster (nbox up)."),
+    mode: str = typer.Option(
+        "model", "--mode", help="model (collectives end at modeled times) or wire (real bytes to stub peers; needs --cluster)."
+    ),
+    metrics_addr: Optional[str] = typer.Option(
+        None, "--metrics-addr", help="Serve the real rank's Prometheus metrics on HOST:PORT (port 0: a free one)."
+    ),
 ) -> None:
     """Run a training command as the real rank of TOPOLOGY; the rest of the cluster is emulated."""
     from ..emu.runner import run_command
@@ -47,7 +54,15 @@ def run(
     real = rank if rank is not None else topo.emulation.real_ranks[0]
     if warmup is not None and warmup < 0:
         raise InputError(f"--warmup: must be 0 or more, got {warmup}")
-    result = run_command(topo, command or [], real)
+    if mode not in ("model", "wire"):
+        raise InputError(f"--mode: expected model or wire, got {mode!r}")
+    if mode == "wire" and not cluster:
+        raise InputError("--mode wire needs --cluster NAME (a cluster brought up with `nbox up`)")
+    from ..metrics.progress import RunProgress
+
+    extra_env = {"NBOX_METRICS_ADDR": metrics_addr} if metrics_addr else {}
+    with RunProgress(console, enabled=False if quiet else None):
+        result = run_command(topo, command or [], real, cluster=cluster, mode=mode, extra_env=extra_env)
     if result.record is None:
         console.print("[yellow]nbox: the command made no torch.distributed calls: nothing was emulated[/yellow]")
     else:

@@ -266,7 +266,10 @@ def autostart() -> None:
     """Install the backend in a process started by ``nbox run`` and write its record at exit."""
     import atexit
 
+    from ..metrics import start_from_env
+
     install()
+    start_from_env()  # the Prometheus exporter (NBOX_METRICS_ADDR) and the progress file, when asked for
     out = os.environ.get("NBOX_RECORD")
     if out:
         atexit.register(_write_record, out)
