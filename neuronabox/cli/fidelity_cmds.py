@@ -1,4 +1,4 @@
-"""Verbs about fidelity and what-if studies: whatif (validate and calibrate join later)."""
+"""Verbs about fidelity and what-if studies: whatif, validate, calibrate."""
 
 from __future__ import annotations
 
@@ -46,3 +46,94 @@ def whatif(
     for path in write_outputs(results, knobs, out):
         console.print(f"wrote {path}")
     console.print((out / "whatif.md").read_text())
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, no_args_is_help=True)
+def validate(
+    topology: Path = typer.Argument(..., help="Topology YAML file (its nodes become a netns cluster)."),
+    command: List[str] = typer.Argument(None, help="The training command, after --."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", help="Iterations compared after warm-up (default: all the runs have)."),
+    warmup: int = typer.Option(1, "--warmup", help="Iterations of each run left out."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs of each system, interleaved."),
+    tolerance: str = typer.Option("1%", "--tolerance", help="Largest |error| of the median that passes (1% or 0.01)."),
+    modes: str = typer.Option("model,wire", "--modes", help="Emulated modes to compare: model, wire."),
+    model: Optional[str] = typer.Option(None, "-m", "--model", help="Delay model of the emulated runs (default: the topology's)."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Calibration profile for the calibrated model (sets NBOX_PROFILE)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the error table and the raw iteration times here."),
+    logs: Optional[Path] = typer.Option(None, "--logs", help="Keep every run's output in this folder."),
+) -> None:
+    """Run the real system and the emulated one on the same shaped network; print the error table (exit 1 past --tolerance)."""
+    import json
+
+    from rich.table import Table
+
+    from ..fidelity.validate import error_table, parse_modes, parse_tolerance, run_validation
+
+    tol = parse_tolerance(tolerance)
+    mode_list = parse_modes(modes)
+    if not command:
+        raise InputError("nbox validate: no command to run (usage: nbox validate TOPOLOGY [OPTIONS] -- python train.py ARGS)")
+    if not topology.is_file():
+        raise InputError(f"{topology}: no such topology file")
+    v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
+                       modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
+                       keep_logs=logs)
+    rows = error_table(v)
+    t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "
+                    f"model {v.model}, tolerance {v.tolerance:.2%}", title_justify="left")
+    for i, col in enumerate(rows[0]):
+        t.add_column(col, justify="left" if i in (0, 5) else "right")
+    for r in rows[1:]:
+        t.add_row(*r)
+    console.print(t)
+    if json_out:
+        json_out.write_text(json.dumps(v.as_dict(), indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {json_out}")
+    if not v.passed:
+        console.print(f"[red]nbox validate: an error exceeds the tolerance {v.tolerance:.2%}[/red]")
+        raise typer.Exit(1)
+
+
+@app.command(no_args_is_help=True)
+def calibrate(
+    topology: Path = typer.Argument(..., help="Topology YAML file (every rank runs for real in a netns cluster)."),
+    sizes: str = typer.Option("4B:256MiB", "--sizes", help="MIN:MAX message sizes."),
+    step: float = typer.Option(2.0, "--step", help="Multiply the size by this each step."),
+    ops: str = typer.Option("all", "--ops", help="Comma list of collectives, or all (what gloo runs among real ranks)."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Write the profile here (default: <topology>.profile.json)."),
+    max_op_time: str = typer.Option("500ms", "--max-op-time", help="Stop an op's sweep after the first size slower than this."),
+    budget: str = typer.Option("150ms", "--budget", help="Measuring time per size (at least 3 samples)."),
+) -> None:
+    """Measure the collectives on the real shaped links and fit a piecewise alpha-beta profile (model `calibrated`)."""
+    from rich.table import Table
+
+    from ..fidelity.calibrate import default_sizes, parse_ops, parse_size_range, run_calibration, save_profile
+    from ..units import UnitError, format_duration, format_size, parse_duration
+
+    lo, hi = parse_size_range(sizes)
+    op_list = parse_ops(ops)
+    try:
+        max_op_s, budget_s = parse_duration(max_op_time), parse_duration(budget)
+    except UnitError as exc:
+        raise InputError(f"--max-op-time/--budget: {exc}") from None
+    topo = load(topology)
+    out = profile or Path(f"{topology.stem}.profile.json")
+    doc = run_calibration(topo, op_list, default_sizes(lo, hi, step), max_op_s=max_op_s, budget_s=budget_s,
+                          progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    save_profile(doc, out)
+    t = Table(title=f"nbox calibrate: {topo.name} ({topology}), {doc['ranks']} ranks, gloo (torch {doc['library']['torch']}), "
+                    f"{doc['meta']['seconds']:.0f} s", title_justify="left")
+    for col in ("op", "sizes", "segment", "alpha", "bus bandwidth", "rms error"):
+        t.add_column(col, justify="left" if col in ("op", "segment") else "right")
+    for name, fit in doc["ops"].items():
+        meas = doc["measurements"][name]
+        for i, s in enumerate(fit["segments"]):
+            hi_s = "∞" if s["hi"] is None else format_size(s["hi"])
+            bw = "-" if s["bandwidth_Bps"] is None else f"{s['bandwidth_Bps'] * 8 / 1e6:.1f} Mbit/s"
+            t.add_row(name if i == 0 else "", f"{format_size(meas[0]['size'])}-{format_size(meas[-1]['size'])}" if i == 0 else "",
+                      f"[{format_size(s['lo'])}, {hi_s})", format_duration(s["alpha_s"]), bw,
+                      f"{fit['rms_rel_error']:.1%}" if i == 0 else "")
+    console.print(t)
+    for name, why in doc["unsupported"].items():
+        console.print(f"[yellow]{name}: not measured ({why})[/yellow]")
+    console.print(f"wrote {out}")

@@ -22,6 +22,7 @@ _BUILTINS = {
     "nccl": "neuronabox.model.nccl:NcclModel",
     "flow": "neuronabox.model.flow:FlowModel",
     "ideal": "neuronabox.model.ideal:IdealModel",
+    "calibrated": "neuronabox.model.calibrated:CalibratedModel",
 }
 
 

@@ -1,0 +1,608 @@
+"""``nbox calibrate``: measure the collectives on the real links, fit a piecewise alpha-beta model, save a profile.
+
+Measurement: every rank of the topology runs for real in its node's namespace of a netns
+cluster (the launcher of ``validate``), gloo over the shaped links. For each op and size,
+nccl-tests' way: a barrier, then k back-to-back ops timed on every rank; the sample is the
+slowest rank's time / k (an op is over when its last rank is done). k grows for small sizes
+so a sample lasts a few tens of ms, the sample count is bounded by a time budget per size,
+and an op's sweep stops after the first size whose op takes longer than ``max_op_s``:
+that keeps the default run (4 B to 256 MiB, every op gloo has) to a few minutes on a
+100 Mbit link, where 256 MiB alone would take 20 s an op.
+
+Fit: per op, time t(S) is piecewise linear in the size S, ``t = a + b·S`` on each segment
+(a: latency terms, b: seconds per byte). Segments are found by dynamic programming over the
+sorted sizes (least squares on relative error, so 4 B counts as much as 256 MiB) and their
+number by BIC. A breakpoint is where two adjacent lines cross when they cross near the gap
+between their sizes (a library choosing the faster algorithm, like NCCL's tuner, makes t
+continuous there), else the geometric middle of the gap (a protocol switch: a jump).
+Each segment is then expressed in the op's ring closed form for the measured group size n,
+``t = L(n)·alpha + F(n)·S/B`` (all-reduce: L = 2(n-1), F = 2(n-1)/n), so the calibrated model
+can scale it to other group sizes (``neuronabox.model.calibrated``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..collectives import Op
+from ..errors import InputError
+
+__all__ = [
+    "FORMAT",
+    "CALIBRATABLE",
+    "ring_terms",
+    "Segment",
+    "OpFit",
+    "fit_piecewise",
+    "parse_size_range",
+    "parse_ops",
+    "default_sizes",
+    "topology_hash",
+    "network_summary",
+    "make_profile",
+    "link_estimate",
+    "save_profile",
+    "load_profile",
+    "run_calibration",
+]
+
+FORMAT = "neuronabox-calibration/1"
+# What gloo (torch's CPU backend) runs among real ranks; the others are its internals or absent.
+CALIBRATABLE = (
+    Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.BROADCAST, Op.REDUCE, Op.ALL_TO_ALL,
+    Op.GATHER, Op.SCATTER, Op.SEND_RECV, Op.BARRIER,
+)
+_CHUNKED = (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.GATHER, Op.SCATTER)
+
+
+def ring_terms(op: Op, n: int) -> tuple[float, float]:
+    """(L, F): the op's ring closed form is ``L·alpha + F·S/B`` for n ranks (DESIGN.md, alpha-beta)."""
+    if n <= 1:
+        return 0.0, 0.0
+    if op is Op.ALL_REDUCE:
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if op is Op.BARRIER:
+        return 2.0 * (n - 1), 0.0
+    if op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.GATHER, Op.SCATTER):
+        return float(n - 1), (n - 1) / n
+    if op in (Op.BROADCAST, Op.REDUCE):
+        return float(n - 1), 1.0
+    return 1.0, 1.0  # send_recv: one message
+
+
+# ---- the fit ----------------------------------------------------------------------------------------
+@dataclass
+class Segment:
+    """One size regime: ``t = latency_s + S / throughput`` for sizes in [lo, hi), as alpha and bus bandwidth."""
+
+    lo: float  # bytes (0 for the first segment)
+    hi: float  # bytes (inf for the last)
+    latency_s: float  # a: the fitted intercept
+    sec_per_byte: float  # b: the fitted slope
+    alpha_s: float  # per-step latency of the ring closed form at the calibrated n
+    bandwidth_Bps: float  # bus bandwidth B of the closed form (inf: no size dependence)
+    points: int = 0
+    first_size: int = 0
+    last_size: int = 0
+
+    def time(self, nbytes: float) -> float:
+        """The fitted time at ``nbytes`` (calibrated group size)."""
+        return self.latency_s + self.sec_per_byte * nbytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (inf as null)."""
+        d = asdict(self)
+        for k in ("hi", "bandwidth_Bps"):
+            if math.isinf(d[k]):
+                d[k] = None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Segment":
+        """Inverse of ``as_dict``."""
+        d = dict(d)
+        for k in ("hi", "bandwidth_Bps"):
+            if d.get(k) is None:
+                d[k] = math.inf
+        return cls(**d)
+
+
+@dataclass
+class OpFit:
+    """The fitted segments of one op, the breakpoints between them, and how well they fit."""
+
+    op: str
+    n: int
+    segments: list[Segment]
+    rms_rel_error: float
+    max_rel_error: float
+    outliers: list[int] = field(default_factory=list)  # sizes left out of the fit
+
+    @property
+    def breakpoints(self) -> list[float]:
+        """Sizes (bytes) where one segment hands over to the next."""
+        return [s.lo for s in self.segments[1:]]
+
+    def time(self, nbytes: float) -> float:
+        """The fitted time at ``nbytes`` for the calibrated group size."""
+        return self.segment(nbytes).time(nbytes)
+
+    def segment(self, nbytes: float) -> Segment:
+        """The segment whose size range holds ``nbytes``."""
+        for s in self.segments:
+            if nbytes < s.hi:
+                return s
+        return self.segments[-1]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"op": self.op, "n": self.n, "segments": [s.as_dict() for s in self.segments],
+                "breakpoints": self.breakpoints, "rms_rel_error": self.rms_rel_error,
+                "max_rel_error": self.max_rel_error,
+                "outliers": self.outliers}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OpFit":
+        """Inverse of ``as_dict``."""
+        return cls(d["op"], int(d["n"]), [Segment.from_dict(s) for s in d["segments"]],
+                   float(d.get("rms_rel_error", 0.0)), float(d.get("max_rel_error", 0.0)), list(d.get("outliers", [])))
+
+
+def _line(s: Sequence[float], t: Sequence[float]) -> tuple[float, float, float]:
+    """Least squares of ``t = a + b·s`` on relative error with a, b >= 0; returns (a, b, sum of squared errors)."""
+    # Normal equations of min sum ((a + b s - t) / t)^2, in closed form (segments are short).
+    w = [1.0 / (x * x) for x in t]
+    sw = sum(w)
+    sws = sum(wi * si for wi, si in zip(w, s))
+    swss = sum(wi * si * si for wi, si in zip(w, s))
+    swt = sum(wi * ti for wi, ti in zip(w, t))
+    swst = sum(wi * si * ti for wi, si, ti in zip(w, s, t))
+    det = sw * swss - sws * sws
+    a = b = None
+    if det > 1e-300 * max(1.0, sw * swss) and len(s) > 1:
+        a = (swss * swt - sws * swst) / det
+        b = (sw * swst - sws * swt) / det
+    if a is None or a < 0 or b < 0:
+        # One parameter only: the better of a pure latency and a pure bandwidth line.
+        cand = [(swt / sw, 0.0)]
+        if swss > 0:
+            cand.append((0.0, swst / swss))
+        best = None
+        for ca, cb in cand:
+            sse = sum(((ca + cb * si - ti) / ti) ** 2 for si, ti in zip(s, t))
+            if best is None or sse < best[2]:
+                best = (ca, cb, sse)
+        return best  # type: ignore[return-value]
+    sse = sum(((a + b * si - ti) / ti) ** 2 for si, ti in zip(s, t))
+    return a, b, sse
+
+
+def _segment_dp(s: list[float], t: list[float], kmax: int, min_points: int) -> dict[int, tuple[float, list[int]]]:
+    """For each segment count k, the least total error and the start indices of the segments."""
+    m = len(s)
+    cost = [[math.inf] * (m + 1) for _ in range(m + 1)]
+    for i in range(m):
+        for j in range(i + min_points, m + 1):
+            cost[i][j] = _line(s[i:j], t[i:j])[2]
+    best: dict[int, list[tuple[float, list[int]]]] = {}
+    # dp[k][j]: best error of the first j points cut into k segments
+    dp = [[(math.inf, [])] * (m + 1) for _ in range(kmax + 1)]
+    dp[0][0] = (0.0, [])
+    for k in range(1, kmax + 1):
+        for j in range(1, m + 1):
+            cands = [(dp[k - 1][i][0] + cost[i][j], dp[k - 1][i][1] + [i])
+                     for i in range(j) if dp[k - 1][i][0] < math.inf and cost[i][j] < math.inf]
+            if cands:
+                dp[k][j] = min(cands, key=lambda c: c[0])
+    return {k: dp[k][m] for k in range(1, kmax + 1) if dp[k][m][0] < math.inf}
+
+
+def fit_piecewise(
+    sizes: Sequence[float],
+    times: Sequence[float],
+    op: Op | str = Op.ALL_REDUCE,
+    n: int = 2,
+    max_segments: int = 4,
+    min_points: int = 3,
+    noise_floor: float = 2e-3,
+    outlier_floor: float = 0.25,
+) -> OpFit:
+    """Fit a piecewise ``t = a + b·S`` to (size, time) points; segments and breakpoints in the op's closed form."""
+    op = Op.parse(op) if isinstance(op, str) else op
+    pts = sorted((float(x), float(y)) for x, y in zip(sizes, times) if y > 0)
+    if len(pts) < 2:
+        raise InputError(f"calibration of {op.value}: need at least 2 measured sizes, got {len(pts)}")
+    # A shared machine adds time to whole sizes now and then (a size whose samples were all
+    # disturbed). First: a size much slower than some larger size was disturbed, since
+    # moving more bytes does not get faster.
+    keep, fastest_above = [], math.inf
+    for x, y in reversed(pts):
+        if y <= 1.5 * fastest_above:
+            keep.append((x, y))
+            fastest_above = min(fastest_above, y)
+    keep.reverse()
+    if len(keep) < 2:
+        keep = pts
+    fit = _fit_points(keep, op, n, max_segments, min_points, noise_floor)
+    # Then: points far off that fit, by a robust scale; fit again without them.
+    rel = [(fit.time(x) - y) / y for x, y in keep]
+    scale = 1.4826 * statistics.median(abs(r) for r in rel)
+    kept = [p for p, r in zip(keep, rel) if abs(r) <= max(5 * scale, outlier_floor)]
+    if len(kept) < len(keep) and len(kept) >= max(2, len(pts) // 2):
+        keep = kept
+    if len(keep) < len(pts):
+        fit = _fit_points(keep, op, n, max_segments, min_points, noise_floor)
+        fit.outliers = [int(x) for x, y in pts if (x, y) not in keep]
+    return fit
+
+
+def _fit_points(pts, op: Op, n: int, max_segments: int, min_points: int, noise_floor: float) -> OpFit:
+    s = [p[0] for p in pts]
+    t = [p[1] for p in pts]
+    m = len(s)
+    kmax = max(1, min(max_segments, m // min_points))
+    options = _segment_dp(s, t, kmax, min(min_points, m))
+    # BIC on relative error; the floor keeps perfect synthetic data from rewarding extra segments.
+    def bic(k: int) -> float:
+        sse = max(options[k][0], m * noise_floor ** 2)
+        return m * math.log(sse / m) + (3 * k - 1) * math.log(m)
+
+    k = min(options, key=lambda k: (bic(k), k))
+    starts = options[k][1] + [m]
+    lines = []
+    for i, j in zip(starts, starts[1:]):
+        a, b, _ = _line(s[i:j], t[i:j])
+        lines.append((a, b, i, j))
+    bounds = [0.0]
+    for (a1, b1, i1, j1), (a2, b2, i2, j2) in zip(lines, lines[1:]):
+        left, right = s[j1 - 1], s[i2]
+        cross = (a2 - a1) / (b1 - b2) if b1 != b2 else math.nan
+        # A crossing inside the neighbouring points' span is where the library switches; else a jump.
+        lo_ok = s[max(i1, j1 - 2)]
+        hi_ok = s[min(j2 - 1, i2 + 1)]
+        bounds.append(min(max(cross, left), right) if lo_ok <= cross <= hi_ok else math.sqrt(left * right))
+    bounds.append(math.inf)
+    big_l, big_f = ring_terms(op, n)
+    segments = []
+    for (a, b, i, j), lo, hi in zip(lines, bounds, bounds[1:]):
+        alpha = a / big_l if big_l else 0.0
+        bw = (big_f / b) if (b > 0 and big_f > 0) else math.inf
+        segments.append(Segment(lo, hi, a, b, alpha, bw, j - i, int(s[i]), int(s[j - 1])))
+    fit = OpFit(op.value, n, segments, 0.0, 0.0)
+    rel = [(fit.time(x) - y) / y for x, y in zip(s, t)]
+    fit.rms_rel_error = math.sqrt(sum(r * r for r in rel) / m)
+    fit.max_rel_error = max(abs(r) for r in rel)
+    return fit
+
+
+# ---- options ------------------------------------------------------------------------------------------
+def parse_size_range(text: str) -> tuple[int, int]:
+    """``4B:256MiB`` -> (4, 268435456); errors name the flag."""
+    from ..units import UnitError, parse_size
+
+    lo, sep, hi = str(text).partition(":")
+    try:
+        a, b = parse_size(lo.strip()), parse_size(hi.strip()) if sep else parse_size(lo.strip())
+    except UnitError as exc:
+        raise InputError(f"--sizes: {exc}") from None
+    if not 1 <= a <= b:
+        raise InputError(f"--sizes: expected MIN:MAX with 1 <= MIN <= MAX (e.g. 4B:256MiB), got {text!r}")
+    return a, b
+
+
+def parse_ops(text: str) -> list[Op]:
+    """``all`` or ``all_reduce,broadcast`` -> ops; errors name the flag."""
+    if text.strip() == "all":
+        return list(CALIBRATABLE)
+    ops = []
+    for name in (x for x in text.split(",") if x.strip()):
+        try:
+            op = Op.parse(name)
+        except ValueError as exc:
+            raise InputError(f"--ops: {exc}") from None
+        if op not in CALIBRATABLE:
+            raise InputError(f"--ops: {op.value} cannot be measured among real gloo ranks")
+        ops.append(op)
+    if not ops:
+        raise InputError("--ops: give at least one op, or all")
+    return list(dict.fromkeys(ops))
+
+
+def default_sizes(lo: int, hi: int, factor: float = 2.0) -> list[int]:
+    """Sizes from ``lo`` to ``hi`` by ``factor``, multiples of 4 bytes (float32 elements), ``hi`` included."""
+    if factor <= 1:
+        raise InputError(f"--step: must be greater than 1, got {factor}")
+    out, x = [], float(lo)
+    while x <= hi * (1 + 1e-9):
+        v = max(4, int(round(x / 4)) * 4)
+        if not out or v > out[-1]:
+            out.append(v)
+        x *= factor
+    if out[-1] != max(4, hi // 4 * 4):
+        out.append(max(4, hi // 4 * 4))
+    return out
+
+
+# ---- the profile ----------------------------------------------------------------------------------------
+def topology_hash(topology) -> str:
+    """Hash of what the measurement depends on: network, intra-node fabric, library (not what-ifs or node count)."""
+    raw = topology.raw
+    key = {"network": raw.get("network"), "intra_node": raw.get("intra_node"), "library": topology.emulation.library}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def network_summary(topology) -> dict[str, Any]:
+    """The nominal link between the calibrated ranks (rate, latency) as the topology states it."""
+    from ..topology.graph import ClusterGraph
+
+    g = ClusterGraph(topology)
+    first = [nd.first_rank for nd in topology.nodes]
+    if len(first) < 2:
+        return {"nodes": len(first)}
+    return {"nodes": len(first), "type": topology.network.type,
+            "route_bandwidth_Bps": g.route_bandwidth(first[0], first[1]),
+            "route_latency_s": g.route_latency(first[0], first[1]), "link": topology.raw.get("network", {}).get("link")}
+
+
+def make_profile(topology, fits: dict[str, OpFit], measurements: dict[str, list[dict]], unsupported: dict[str, str],
+                 meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The profile document: topology hash, library, network, fitted segments, raw measurements."""
+    import torch
+
+    return {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "topology": {"name": topology.name, "file": str(topology.source), "hash": topology_hash(topology),
+                     "world_size": topology.world_size, "nodes": len(topology.nodes)},
+        "library": {"name": "gloo", "torch": torch.__version__, "transport": "tcp"},
+        "network": network_summary(topology),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release()},
+        "ranks": topology.world_size,
+        "ops": {k: v.as_dict() for k, v in fits.items()},
+        "link_estimate": link_estimate(fits),
+        "unsupported": unsupported,
+        "measurements": measurements,
+        **({"meta": meta} if meta else {}),
+    }
+
+
+# Ethernet frame (1514 B with a 1500 B MTU) per TCP payload (1448 B with timestamps): rate
+# shapers count frames, collectives count payload.
+WIRE_PER_PAYLOAD = 1514 / 1448
+
+
+def link_estimate(fits: dict[str, OpFit]) -> dict[str, Any]:
+    """The link rate the fits imply: the median over ops of the large-size bus bandwidth, as payload and as frames."""
+    bws = {name: f.segments[-1].bandwidth_Bps for name, f in fits.items()
+           if f.segments[-1].points >= 3 and not math.isinf(f.segments[-1].bandwidth_Bps)}
+    if not bws:
+        return {}
+    # The median, not the best: a 3-point last segment of one op can overshoot.
+    best = statistics.median(bws.values())
+    return {"ops": sorted(bws), "payload_Bps": best, "wire_Bps": best * WIRE_PER_PAYLOAD,
+            "all_reduce_payload_Bps": bws.get("all_reduce")}
+
+
+def save_profile(profile: dict[str, Any], path: Path) -> None:
+    """Write a profile as JSON."""
+    path.write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    """Read and check a profile; its op fits come back as ``OpFit`` under ``fits``."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"calibration profile {str(p)!r}: no such file (nbox calibrate writes one)") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"calibration profile {str(p)!r}: not readable JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise InputError(f"calibration profile {str(p)!r}: format is {got!r}, expected {FORMAT!r}")
+    try:
+        doc["fits"] = {Op.parse(k): OpFit.from_dict(v) for k, v in doc.get("ops", {}).items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"calibration profile {str(p)!r}: ops: {exc}") from None
+    return doc
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+@dataclass
+class WorkerPlan:
+    """What every calibration rank runs (written to a JSON file that all ranks read)."""
+
+    ops: list[str]
+    sizes: list[int]
+    budget_s: float = 0.15
+    sample_s: float = 0.02
+    max_op_s: float = 0.5
+    min_samples: int = 3
+    max_samples: int = 15
+    out: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def run_calibration(
+    topology,
+    ops: Sequence[Op],
+    sizes: Sequence[int],
+    *,
+    max_op_s: float = 0.5,
+    budget_s: float = 0.15,
+    cluster: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    timeout: float = 900.0,
+) -> dict[str, Any]:
+    """Bring the cluster up, measure ``ops`` at ``sizes`` among all ranks of ``topology``, fit; returns the profile."""
+    from .validate import cluster_for, launch_real
+
+    say = progress or (lambda msg: None)
+    if topology.world_size < 2:
+        raise InputError(f"{topology.source}: calibration needs at least 2 ranks, "
+                         f"the topology has {topology.world_size}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
+        plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
+                          out=str(Path(tmp) / "measured.json"))
+        plan_file = Path(tmp) / "plan.json"
+        plan_file.write_text(json.dumps(asdict(plan)))
+        with cluster_for(topology, cluster, say) as up:
+            say(f"cluster {up.name} up; measuring {len(ops)} ops x up to {len(sizes)} sizes "
+                f"on {topology.world_size} ranks")
+            worker = [sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)]
+            rc, codes = launch_real(up.name, topology, worker, None, timeout=timeout, record_only=False,
+                                    log_dir=Path(tmp))
+            if rc != 0 or not Path(plan.out).exists():
+                log = Path(tmp) / "rank0.log"
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+                raise _CalibrationFailed(f"the calibration ranks failed (exit codes {codes}): "
+                                         f"{' | '.join(tail) or '(no output)'}")
+        measured = json.loads(Path(plan.out).read_text())
+    n = topology.world_size
+    fits: dict[str, OpFit] = {}
+    for op_name, rows in measured["ops"].items():
+        if len(rows) >= 2:
+            fits[op_name] = fit_piecewise([r["size"] for r in rows], [r["time_s"] for r in rows], op_name, n)
+        elif rows:  # barrier: one latency, no size
+            big_l = ring_terms(Op.parse(op_name), n)[0] or 1.0
+            t = rows[0]["time_s"]
+            seg = Segment(0.0, math.inf, t, 0.0, t / big_l, math.inf, 1, rows[0]["size"], rows[0]["size"])
+            fits[op_name] = OpFit(op_name, n, [seg], 0.0, 0.0)
+    meta = {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
+            "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
+    return make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta)
+
+
+class _CalibrationFailed(InputError):
+    exit_code = 1
+
+
+def _worker(plan_path: str) -> None:
+    """One calibration rank (``python -m neuronabox.fidelity.calibrate PLAN``): measure every op and size."""
+    import torch
+    import torch.distributed as dist
+
+    plan = WorkerPlan(**json.loads(Path(plan_path).read_text()))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ctl = torch.zeros(3, dtype=torch.float64)
+    results: dict[str, list[dict]] = {}
+    unsupported: dict[str, str] = {}
+    truncated: dict[str, int] = {}
+
+    def decide(values: list[float], src_max: bool = True) -> list[float]:
+        # Every rank must run the same number of ops: rank 0's decision (or the max) is everyone's.
+        ctl.zero_()
+        ctl[: len(values)] = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(ctl, op=dist.ReduceOp.MAX)
+        return ctl.tolist()
+
+    for op_name in plan.ops:
+        op = Op.parse(op_name)
+        rows: list[dict] = []
+        for size in plan.sizes:
+            try:
+                call, nbytes = _op_call(op, size, rank, n)
+                call()  # warm-up; also finds ops this gloo lacks
+                ok = 1.0
+            except (RuntimeError, ValueError, NotImplementedError) as exc:
+                ok, why = 0.0, str(exc).splitlines()[0][:200]
+            if decide([1.0 - ok])[0] > 0:
+                if not rows:
+                    unsupported[op.value] = why if ok == 0.0 else "failed on another rank"
+                break
+            dist.barrier()
+            t = time.perf_counter()
+            call()
+            first = decide([time.perf_counter() - t])[0]
+            k = max(1, min(1000, int(plan.sample_s / max(first, 1e-7))))
+            samples_n = max(plan.min_samples, min(plan.max_samples, int(plan.budget_s / max(first * k, 1e-7))))
+            samples = []
+            for _ in range(samples_n):
+                dist.barrier()
+                t = time.perf_counter()
+                for _ in range(k):
+                    call()
+                samples.append(decide([(time.perf_counter() - t) / k])[0])
+            med = statistics.median(samples)
+            rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples})
+            if rank == 0:
+                print(f"{op.value:>14} {nbytes:>11} B  {med * 1e6:12.1f} us  (k={k}, {samples_n} samples)", flush=True)
+            if op is Op.BARRIER:
+                break  # no size
+            if med > plan.max_op_s:
+                truncated[op.value] = nbytes
+                break
+        if rows:
+            results[op.value] = rows
+    if rank == 0:
+        Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated}))
+    dist.destroy_process_group()
+
+
+def _op_call(op: Op, size: int, rank: int, n: int):
+    """A zero-argument function running ``op`` on ``size`` bytes (nccl-tests size), and the bytes it really moves."""
+    import torch
+    import torch.distributed as dist
+
+    elems = max(1, size // 4)
+    if op in _CHUNKED:
+        elems = max(n, (elems + n - 1) // n * n)  # n equal chunks of at least one element
+    nbytes = elems * 4
+    if op is Op.ALL_REDUCE:
+        x = torch.ones(elems)
+        return (lambda: dist.all_reduce(x)), nbytes
+    if op is Op.BROADCAST:
+        x = torch.ones(elems)
+        return (lambda: dist.broadcast(x, 0)), nbytes
+    if op is Op.REDUCE:
+        x = torch.ones(elems)
+        return (lambda: dist.reduce(x, 0)), nbytes
+    if op is Op.ALL_GATHER:
+        out, inp = torch.empty(elems), torch.ones(elems // n)
+        return (lambda: dist.all_gather_into_tensor(out, inp)), nbytes
+    if op is Op.REDUCE_SCATTER:
+        inp, out = torch.ones(elems), torch.empty(elems // n)
+        return (lambda: dist.reduce_scatter_tensor(out, inp)), nbytes
+    if op is Op.ALL_TO_ALL:
+        inp, out = torch.ones(elems), torch.empty(elems)
+        return (lambda: dist.all_to_all_single(out, inp)), nbytes
+    if op is Op.GATHER:
+        inp = torch.ones(elems // n)
+        outs = [torch.empty(elems // n) for _ in range(n)] if rank == 0 else None
+        return (lambda: dist.gather(inp, outs, dst=0)), nbytes
+    if op is Op.SCATTER:
+        out = torch.empty(elems // n)
+        ins = [torch.ones(elems // n) for _ in range(n)] if rank == 0 else None
+        return (lambda: dist.scatter(out, ins, src=0)), nbytes
+    if op is Op.SEND_RECV:
+        # nccl-tests SendRecv: every rank sends to the next and receives from the previous, at once.
+        send, recv = torch.ones(elems), torch.empty(elems)
+
+        def sendrecv() -> None:
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % n),
+                                           dist.P2POp(dist.irecv, recv, (rank - 1) % n)])
+            for r in reqs:
+                r.wait()
+
+        return sendrecv, nbytes
+    if op is Op.BARRIER:
+        return (lambda: dist.barrier()), 0
+    raise ValueError(f"{op.value} cannot be calibrated")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -1,0 +1,527 @@
+"""``nbox validate``: the real system against the emulated one, on the same shaped network.
+
+The real system: every rank of the topology runs the user's command in its node's namespace
+of a netns cluster (``nbox up``), gloo over the shaped links, ``MASTER_ADDR`` = rank 0's node
+address, each rank pinned to its own core. Gloo binds the node address (see ``launch_real``
+for why not ``GLOO_SOCKET_IFNAME``). The real rank's iteration times come from the
+record-only ``sitecustomize`` (``recordonly/``): the same iteration marks as ``nbox run``
+(end of the first optimizer's step), the real backend untouched.
+
+The emulated system: the topology's real rank runs the same command under ``nbox run`` in
+model mode (and in wire mode through ``nbox run --cluster NAME --mode wire`` where that
+option exists), pinned to the core that rank had in the real system.
+
+This machine is noisy (see DESIGN.md, "This machine"): runs are interleaved (each repeat
+runs every mode once, in a rotated order, so drift hits all modes alike) and repeated, and
+the real system's own run-to-run spread is reported beside each error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import InputError
+from ..stats import percentile
+
+__all__ = [
+    "MODES",
+    "RECORD_ONLY_DIR",
+    "parse_tolerance",
+    "parse_modes",
+    "wire_available",
+    "cluster_for",
+    "rank_cores",
+    "launch_real",
+    "ModeResult",
+    "Validation",
+    "compare",
+    "run_validation",
+    "error_table",
+]
+
+MODES = ("model", "wire")
+RECORD_ONLY_DIR = Path(__file__).resolve().parent / "recordonly"
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+MASTER_PORT = 29517
+
+
+def parse_tolerance(text: str) -> float:
+    """``1%`` or ``0.01`` -> 0.01; errors name the flag."""
+    s = str(text).strip()
+    try:
+        value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
+    except ValueError:
+        raise InputError(f"--tolerance: expected a percentage like 1% or a fraction like 0.01, got {text!r}") from None
+    if value < 0 or value != value:
+        raise InputError(f"--tolerance: must be 0 or more, got {text!r}")
+    return value
+
+
+def parse_modes(text: str) -> list[str]:
+    """``model,wire`` -> ["model", "wire"]; errors name the flag."""
+    modes = [m.strip() for m in str(text).split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if not modes or bad:
+        raise InputError(f"--modes: expected a comma list of {', '.join(MODES)}, got {text!r}")
+    return list(dict.fromkeys(modes))
+
+
+def wire_available() -> tuple[bool, str]:
+    """Whether ``nbox run`` has ``--cluster`` and ``--mode`` (wire mode), and why not."""
+    try:
+        from ..cli import run_cmd
+    except ImportError as exc:  # the CLI is optional to the library
+        return False, f"nbox run cannot be imported ({exc})"
+    params = inspect.signature(run_cmd.run).parameters
+    if "cluster" in params and "mode" in params:
+        return True, ""
+    return False, "nbox run has no --cluster/--mode wire in this build"
+
+
+# ---- the cluster and the real ranks ---------------------------------------------------------------
+@contextlib.contextmanager
+def cluster_for(topology, name: str | None = None, progress: Callable[[str], None] | None = None):
+    """A netns cluster of ``topology`` for the duration of the block (taken down after, unless it was up before)."""
+    from ..cluster import runtime as rt
+
+    ok, why = rt.can_netns()
+    if not ok:
+        raise InputError(f"the real system needs a netns cluster: {why}")
+    name = name or f"val{uuid.uuid4().hex[:6]}"
+    res = rt.up(topology, runtime="netns", name=name, progress=progress)
+    try:
+        yield res
+    finally:
+        if not res.already_up:
+            rt.down(name)
+
+
+def rank_cores(world: int) -> list[int]:
+    """The core each rank is pinned to: its own core while there are enough, round robin after."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[r % len(cores)] for r in range(world)]
+
+
+def _node_iface(plan: dict, ns: str) -> str:
+    for lk in plan.get("links", []):
+        for end in (lk["a"], lk["b"]):
+            if end["ns"] == ns and end.get("addr"):
+                return end["ifname"]
+    raise InputError(f"node namespace {ns} has no addressed interface for gloo (GLOO_SOCKET_IFNAME)")
+
+
+CLONE_NEWUTS = 0x04000000
+
+
+def _preexec(ns_path: str | None, core: int | None, hostname: str | None = None):
+    import ctypes
+
+    from ..cluster.netns import Namespace
+
+    enter = Namespace(os.path.basename(ns_path)).preexec() if ns_path else None
+    libc = ctypes.CDLL(None, use_errno=True) if hostname else None
+    name = hostname.encode() if hostname else b""
+
+    def pre() -> None:
+        if enter is not None:
+            enter()
+        if libc is not None:
+            # gloo without GLOO_SOCKET_IFNAME binds the address its hostname resolves to: a
+            # private UTS namespace whose hostname is the node address makes that the node
+            # address, the one the delay relay knows (see launch_real).
+            if libc.unshare(CLONE_NEWUTS) != 0 or libc.sethostname(name, len(name)) != 0:
+                os._exit(126)
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+        # Its own process group, so that a timeout can end the rank and all its children.
+        os.setpgid(0, 0)
+
+    return pre
+
+
+def launch_real(
+    cluster: str,
+    topology,
+    command: Sequence[str],
+    record: Path | None = None,
+    *,
+    timeout: float = 600.0,
+    extra_env: dict[str, str] | None = None,
+    record_only: bool = True,
+    log_dir: Path | None = None,
+    gloo_bind: str = "node",
+    record_rank: int = 0,
+) -> tuple[int, list[int]]:
+    """Run ``command`` as every rank of ``topology`` in the nodes of ``cluster``; ``record_rank`` records to ``record``.
+
+    ``gloo_bind``: ``node`` makes gloo bind the node address (on ``lo``); ``iface`` sets
+    ``GLOO_SOCKET_IFNAME`` to the node's NIC, so gloo binds that link's address. Both cross
+    the same shaped veth, but without netem the delay relay knows routes by node address
+    only, so with ``iface`` gloo's connections get the rate and not the delay (measured: a
+    4 B all-reduce over a 1 ms link in 0.4 ms). Returns the first non-zero exit status (0
+    if every rank succeeded) and every rank's status.
+    """
+    if gloo_bind not in ("node", "iface"):
+        raise ValueError(f"gloo_bind: node or iface, got {gloo_bind!r}")
+    from ..cluster.state import ClusterState
+
+    st = ClusterState.load(cluster)
+    plan = st.get("plan") or {}
+    hosts = {h["node"]: h for h in plan.get("hosts", [])}
+    world = topology.world_size
+    cores = rank_cores(world)
+    master = hosts[topology.nodes[topology.rank_node[0]].name]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("NBOX_") and k not in ("PYTHONPATH",)}
+    paths = ([str(RECORD_ONLY_DIR)] if record_only else []) + [str(_PACKAGE_PARENT)]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for rank in range(world):
+            node = topology.nodes[topology.rank_node[rank]]
+            h = hosts[node.name]
+            env = dict(base)
+            env.update(extra_env or {})
+            env.update({
+                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(topology.local_rank(rank)),
+                "LOCAL_WORLD_SIZE": str(node.ranks), "GROUP_RANK": str(node.index),
+                "GROUP_WORLD_SIZE": str(len(topology.nodes)), "MASTER_ADDR": master["address"],
+                "MASTER_PORT": str(MASTER_PORT),
+                "TORCHELASTIC_RUN_ID": f"nbox-validate-{cluster}", "PYTHONPATH": os.pathsep.join(paths),
+                "NBOX_CLUSTER": cluster, "NBOX_NODE": node.name, "NBOX_NODE_ADDR": h["address"],
+            })
+            env.pop("GLOO_SOCKET_IFNAME", None)
+            if gloo_bind == "iface":
+                env["GLOO_SOCKET_IFNAME"] = _node_iface(plan, h["ns"])
+            if record_only:
+                env["NBOX_RECORD_ONLY"] = "1"
+            if rank == record_rank and record is not None:
+                env["NBOX_RECORD"] = str(record)
+            out = open(log_dir / f"rank{rank}.log", "wb") if log_dir else subprocess.DEVNULL
+            if log_dir:
+                logs.append(out)
+            try:
+                procs.append(subprocess.Popen(
+                    list(command), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    preexec_fn=_preexec(f"/run/netns/{h['ns']}" if h.get("ns") else None, cores[rank],
+                                        h["address"] if gloo_bind == "node" and h.get("ns") else None),
+                ))
+            except FileNotFoundError:
+                raise InputError(f"command not found: {command[0]!r}") from None
+        codes = _wait_all(procs, timeout)
+    finally:
+        for p in procs:
+            _end(p)
+        for f in logs:
+            f.close()
+    bad = next((c for c in codes if c != 0), 0)
+    return bad, codes
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    # A rank that fails leaves the others blocked in a collective: end them after a grace period.
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes  # type: ignore[return-value]
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        now = time.monotonic()
+        if now > deadline or (failed_at is not None and now - failed_at > 10):
+            for p in procs:
+                _end(p)
+            return [p.returncode if p.returncode is not None else -9 for p in procs]
+        time.sleep(0.05)
+
+
+def _end(p: subprocess.Popen) -> None:
+    if p.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+# ---- one run of each system -------------------------------------------------------------------------
+def _run_emulated(
+    topo_file: Path, command: Sequence[str], mode: str, report: Path, core: int, cluster: str | None,
+    model: str | None, profile: Path | None, log: Path | None, timeout: float = 900.0,
+) -> int:
+    argv = [sys.executable, "-m", "neuronabox.cli", "run", str(topo_file), "-q", "--report", str(report)]
+    if model:
+        argv += ["-m", model]
+    if mode == "wire":
+        argv += ["--cluster", cluster or "", "--mode", "wire"]
+    argv += ["--", *command]
+    env = {k: v for k, v in os.environ.items() if k not in ("NBOX_RECORD", "NBOX_RECORD_ONLY")}
+    if profile is not None:
+        env["NBOX_PROFILE"] = str(profile)
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    try:
+        p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                             preexec_fn=_preexec(None, core))
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _end(p)
+            return 124
+    finally:
+        if log:
+            out.close()
+
+
+# ---- results ----------------------------------------------------------------------------------------
+@dataclass
+class ModeResult:
+    """One system's iteration times over all repeats, and how they compare with the real system."""
+
+    mode: str
+    available: bool = True
+    why: str = ""
+    runs: list[list[float]] = field(default_factory=list)  # per repeat, the measured iterations (s)
+    median_s: float | None = None
+    p95_s: float | None = None
+    run_medians_s: list[float] = field(default_factory=list)
+    error: float | None = None  # (median - real median) / real median
+    verdict: str = ""
+    failed: str = ""  # why its runs did not finish (the mode then fails the validation)
+
+
+@dataclass
+class Validation:
+    """The error table and everything it was computed from."""
+
+    topology: str
+    command: list[str]
+    iterations: int
+    warmup: int
+    repeats: int
+    tolerance: float
+    real: ModeResult
+    modes: list[ModeResult]
+    real_spread: float | None  # (max - min) / median of the real system's per-run medians
+    model: str | None = None
+    profile: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """Every available mode within the tolerance."""
+        return all(m.error is not None and abs(m.error) <= self.tolerance for m in self.modes if m.available)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``--json``)."""
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+def _fill(m: ModeResult) -> None:
+    pooled = [t for run in m.runs for t in run]
+    if pooled:
+        m.median_s = statistics.median(pooled)
+        m.p95_s = percentile(pooled, 95)
+        m.run_medians_s = [statistics.median(r) for r in m.runs if r]
+
+
+def compare(real: ModeResult, modes: Sequence[ModeResult], tolerance: float) -> float | None:
+    """Fill in medians, errors and verdicts; returns the real system's run-to-run spread."""
+    _fill(real)
+    spread = None
+    if len(real.run_medians_s) >= 2 and real.median_s:
+        spread = (max(real.run_medians_s) - min(real.run_medians_s)) / statistics.median(real.run_medians_s)
+    for m in modes:
+        if not m.available:
+            m.verdict = "not available"
+            continue
+        if m.failed:
+            m.verdict = f"FAIL: {m.failed}"
+            continue
+        _fill(m)
+        if m.median_s is None or not real.median_s:
+            m.verdict = "no data"
+            continue
+        m.error = (m.median_s - real.median_s) / real.median_s
+        ok = abs(m.error) <= tolerance
+        m.verdict = "pass" if ok else "FAIL"
+        if spread is not None and abs(m.error) <= spread:
+            m.verdict += " (within the real spread)"
+    return spread
+
+
+def _measured(iterations: list[float], warmup: int, count: int | None, what: str) -> list[float]:
+    if len(iterations) <= warmup:
+        raise InputError(f"{what}: the command ran {len(iterations)} iterations, no more than --warmup {warmup}")
+    out = iterations[warmup:]
+    return out[:count] if count else out
+
+
+def run_validation(
+    topology_file: Path,
+    command: Sequence[str],
+    *,
+    iterations: int | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    tolerance: float = 0.01,
+    modes: Sequence[str] = ("model", "wire"),
+    model: str | None = None,
+    profile: Path | None = None,
+    cluster: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    keep_logs: Path | None = None,
+) -> Validation:
+    """Run the real and the emulated systems interleaved ``repeats`` times and compare their iteration times."""
+    from ..model.registry import create_model
+    from ..topology import load_topology
+
+    say = progress or (lambda msg: None)
+    if not command:
+        raise InputError("nbox validate: no command to run "
+                         "(usage: nbox validate TOPOLOGY [OPTIONS] -- python train.py ARGS)")
+    if repeats < 1:
+        raise InputError(f"--repeats: must be 1 or more, got {repeats}")
+    if warmup < 0:
+        raise InputError(f"--warmup: must be 0 or more, got {warmup}")
+    if iterations is not None and iterations < 1:
+        raise InputError(f"--iterations: must be 1 or more, got {iterations}")
+    topo = load_topology(topology_file)
+    if topo.emulation.library != "gloo":
+        say(f"note: {topology_file} says library {topo.emulation.library}; the real system here runs gloo")
+    if profile is not None:
+        if not Path(profile).is_file():
+            raise InputError(f"--profile: no such file {str(profile)!r}")
+        profile = Path(profile).resolve()
+    # A bad model or profile fails here, before any cluster exists.
+    saved = os.environ.get("NBOX_PROFILE")
+    try:
+        if profile is not None:
+            os.environ["NBOX_PROFILE"] = str(profile)
+        create_model(topo.with_changes(emulation={"model": model}) if model else topo)
+    finally:
+        if saved is None:
+            os.environ.pop("NBOX_PROFILE", None)
+        else:
+            os.environ["NBOX_PROFILE"] = saved
+    wire_ok, wire_why = wire_available()
+    results = {m: ModeResult(m, *((True, "") if m == "model" else (wire_ok, wire_why))) for m in modes}
+    real = ModeResult("real")
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nbox-validate-")))
+        logs = keep_logs or tmp
+        logs.mkdir(parents=True, exist_ok=True)
+        up = stack.enter_context(cluster_for(topo, cluster, say))
+        say(f"cluster {up.name} up ({len(up.nodes)} nodes, {up.seconds:.1f} s)")
+        # The emulated run's real rank gets the core that rank had in the real system.
+        real_rank = topo.emulation.real_ranks[0]
+        core0 = rank_cores(topo.world_size)[real_rank]
+        systems = ["real"] + [m for m in modes if results[m].available]
+        real_walls: list[float] = []
+        runs = 0
+        for rep in range(repeats):
+            # Rotate the order each repeat: no system always runs first after a quiet pause.
+            order = systems[rep % len(systems):] + systems[: rep % len(systems)]
+            for system in order:
+                if system != "real" and results[system].failed:
+                    continue
+                runs += 1
+                rec = tmp / f"{system}-{rep}.json"
+                t0 = time.perf_counter()
+                if system == "real":
+                    rc, codes = launch_real(up.name, topo, command, rec, log_dir=_sub(logs, f"real-{rep}"),
+                                            record_rank=real_rank)
+                    if rc != 0:
+                        bad = next(i for i, c in enumerate(codes) if c != 0)
+                        log = logs / f"real-{rep}" / f"rank{bad}.log"
+                        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+                        where = f" (logs in {log.parent})" if keep_logs else ""
+                        raise _RunFailed(f"the real system failed (rank exit codes {codes}); rank {bad}: "
+                                         f"{(tail or ['(no output)'])[0]}{where}")
+                    its = json.loads(rec.read_text())["iterations"] if rec.exists() else []
+                    real.runs.append(_measured(its, warmup, iterations, "real system"))
+                    real_walls.append(time.perf_counter() - t0)
+                else:
+                    log = logs / f"{system}-{rep}.log"
+                    # A hung emulated run (seen once in wire mode) must not stall the whole validation.
+                    limit = max(120.0, 10 * max(real_walls, default=60.0))
+                    rc = _run_emulated(topology_file, command, system, rec, core0, up.name, model, profile, log, limit)
+                    if rc != 0:
+                        # The other modes still get their row; this one fails the validation.
+                        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+                        why = f"timed out after {limit:.0f} s" if rc == 124 else f"failed with status {rc}"
+                        results[system].failed = f"nbox run {why}: {(tail or ['(no output)'])[0]}"
+                        results[system].runs.clear()
+                        say(f"[{runs}] repeat {rep + 1} {system}: {results[system].failed}")
+                        continue
+                    its = json.loads(rec.read_text())["iterations"] if rec.exists() else []
+                    results[system].runs.append(_measured(its, warmup, iterations, f"{system} mode"))
+                last = (real.runs if system == "real" else results[system].runs)[-1]
+                say(f"[{runs}/{repeats * len(systems)}] repeat {rep + 1} {system}: "
+                    f"{statistics.median(last) * 1e3:.2f} ms median ({time.perf_counter() - t0:.1f} s)")
+    # Every run is cut to the same number of iterations, so each system is judged on the same steps.
+    n = min(len(r) for r in real.runs + [r for m in results.values() for r in m.runs])
+    for m in [real, *results.values()]:
+        m.runs = [r[:n] for r in m.runs]
+    mode_list = [results[m] for m in modes]
+    spread = compare(real, mode_list, tolerance)
+    return Validation(
+        topology=str(topology_file), command=list(command), iterations=n, warmup=warmup, repeats=repeats,
+        tolerance=tolerance, real=real, modes=mode_list, real_spread=spread, model=model or topo.emulation.model,
+        profile=str(profile) if profile else None, seconds=time.perf_counter() - t_start,
+    )
+
+
+class _RunFailed(InputError):
+    """One of the systems did not finish: the run failed (exit 1), not the input."""
+
+    exit_code = 1
+
+
+def _sub(base: Path, name: str) -> Path:
+    d = base / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.2f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:+.2f}%"
+
+
+def error_table(v: Validation) -> list[list[str]]:
+    """The error table as rows of text: a header, the real system, then one row per mode."""
+    rows = [["system", "median (ms)", "p95 (ms)", "error of median", "real spread", "verdict"]]
+    spread = "-" if v.real_spread is None else f"{v.real_spread * 100:.2f}%"
+    rows.append(["real", _ms(v.real.median_s), _ms(v.real.p95_s), "", spread, f"{len(v.real.runs)} runs"])
+    for m in v.modes:
+        if not m.available:
+            rows.append([m.mode, "-", "-", "-", spread, f"not available: {m.why}"])
+        elif m.failed:
+            rows.append([m.mode, "-", "-", "-", spread, m.verdict])
+        else:
+            rows.append([m.mode, _ms(m.median_s), _ms(m.p95_s), _pct(m.error), spread, m.verdict])
+    return rows

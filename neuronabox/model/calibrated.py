@@ -1,0 +1,103 @@
+"""The ``calibrated`` model: answers from a profile that ``nbox calibrate`` fitted on real links.
+
+The profile holds, per op, size segments ``t = L(n)·alpha + F(n)·S/B`` fitted at the
+calibrated group size (``neuronabox.fidelity.calibrate``). For another group size the
+segment's alpha and B go into the same ring closed form with that n, so a 2-rank
+calibration answers for 1024 ranks the way the alpha-beta model would, with measured
+constants. An op that was not measured borrows all-reduce's segments (alpha and bus
+bandwidth are per step and per link, not per op). Groups inside one node and ops with no
+usable profile entry fall back to the alpha-beta model: the profile knows the network only.
+
+Where the profile comes from: ``NBOX_PROFILE`` (``nbox validate --profile`` sets it; ``nbox
+run``/``nbox bench`` pass the environment through to the model), or ``profile=`` when built
+in code. What-if ``latency_scale`` and ``bandwidth_scale`` scale alpha and B.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ..collectives import Op
+from ..errors import InputError
+from .base import CommModel, Estimate, Group
+
+__all__ = ["CalibratedModel", "ENV_PROFILE"]
+
+ENV_PROFILE = "NBOX_PROFILE"
+
+
+class CalibratedModel(CommModel):
+    """Piecewise alpha-beta fitted by ``nbox calibrate``, scaled to other group sizes by the ring closed forms."""
+
+    name = "calibrated"
+    description = "piecewise alpha-beta fitted by nbox calibrate (profile from NBOX_PROFILE)"
+    algorithms = ()
+    protocols = ()
+
+    def __init__(self, topology, graph=None, *, algorithm=None, protocol=None,
+                 profile: str | Path | dict | None = None):
+        super().__init__(topology, graph, algorithm=algorithm, protocol=protocol)
+        from ..fidelity.calibrate import load_profile, topology_hash
+
+        if isinstance(profile, dict):
+            doc = profile
+        else:
+            path = profile if profile is not None else os.environ.get(ENV_PROFILE)
+            if not path:
+                raise InputError(f"model calibrated needs a profile: set {ENV_PROFILE}=PATH "
+                                 "(nbox calibrate TOPOLOGY --profile PATH writes one)")
+            doc = load_profile(path)
+        self.profile = doc
+        self.fits = doc["fits"]
+        if Op.ALL_REDUCE not in self.fits and not self.fits:
+            raise InputError(f"calibration profile {doc.get('topology', {}).get('file', '')!r} has no fitted op")
+        self.matches = doc.get("topology", {}).get("hash") == topology_hash(topology)
+        if not self.matches:
+            # Calibrating a small cluster and asking about a different network is legitimate
+            # (that is a what-if), but it should not pass unnoticed.
+            where = doc.get("topology", {})
+            print(f"nbox: note: calibration profile was measured on topology {where.get('name')!r} "
+                  f"(network hash {where.get('hash')}); this topology's network differs", file=sys.stderr)
+        self.latency_scale = topology.whatif.latency_scale
+        self.bandwidth_scale = topology.whatif.bandwidth_scale
+        self._fallback = None
+
+    def _alpha_beta(self):
+        if self._fallback is None:
+            from .alphabeta import AlphaBetaModel
+
+            self._fallback = AlphaBetaModel(self.topology, self.graph)
+        return self._fallback
+
+    def estimate(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> Estimate:
+        """The fitted segment for ``nbytes``, in the op's ring closed form for this group's size."""
+        from ..fidelity.calibrate import ring_terms
+
+        group = Group.of(group)
+        n = group.size
+        if n == 1:
+            return Estimate(0.0, "local")
+        rank_node = self.topology.rank_node
+        if len({rank_node[r] for r in group.ranks}) == 1:
+            return self._alpha_beta().estimate(op, nbytes, group, root)
+        fit = self.fits.get(op)
+        label = "calibrated"
+        if fit is None:
+            fit = self.fits.get(Op.ALL_REDUCE)
+            label = "calibrated(all_reduce)"
+            if fit is None:
+                return self._alpha_beta().estimate(op, nbytes, group, root)
+        seg = fit.segment(nbytes)
+        big_l, big_f = ring_terms(op, n)
+        if n == fit.n and fit.op == op.value:
+            # The calibrated size: exactly the fitted line (no rounding through alpha and B).
+            t = seg.latency_s * self.latency_scale + seg.sec_per_byte * nbytes / self.bandwidth_scale
+        else:
+            bw = seg.bandwidth_Bps * self.bandwidth_scale
+            t = big_l * seg.alpha_s * self.latency_scale + (0.0 if math.isinf(bw) else big_f * nbytes / bw)
+        index = fit.segments.index(seg)
+        return Estimate(max(t, 0.0), f"{label} s{index}")

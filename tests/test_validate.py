@@ -1,0 +1,155 @@
+"""``nbox validate`` without a cluster: options, the error table and verdicts, the record-only mode of the real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from neuronabox.errors import InputError
+from neuronabox.fidelity import validate as val
+from neuronabox.fidelity.validate import ModeResult, compare, error_table, parse_modes, parse_tolerance
+
+from .conftest import ROOT, run_nbox
+
+
+def test_tolerance_and_modes_parse_and_name_the_flag():
+    assert parse_tolerance("1%") == pytest.approx(0.01)
+    assert parse_tolerance("0.02") == pytest.approx(0.02)
+    assert parse_tolerance("0%") == 0.0
+    for bad in ("x", "-1%", "nan"):
+        with pytest.raises(InputError, match="--tolerance"):
+            parse_tolerance(bad)
+    assert parse_modes("model,wire") == ["model", "wire"]
+    assert parse_modes("wire, model,wire") == ["wire", "model"]
+    for bad in ("", "model,real"):
+        with pytest.raises(InputError, match="--modes"):
+            parse_modes(bad)
+
+
+def test_errors_verdicts_and_spread():
+    real = ModeResult("real", runs=[[0.100, 0.102, 0.098], [0.104, 0.106, 0.104]])
+    model = ModeResult("model", runs=[[0.1005, 0.1015], [0.1025, 0.1035]])
+    wire = ModeResult("wire", runs=[[0.120, 0.121], [0.119, 0.122]])
+    off = ModeResult("wire2", available=False, why="nbox run has no --mode wire")
+    spread = compare(real, [model, wire, off], tolerance=0.01)
+    assert real.median_s == pytest.approx(0.103)
+    assert real.run_medians_s == [0.100, 0.104]
+    assert spread == pytest.approx(0.004 / 0.102)
+    assert model.error == pytest.approx((0.102 - 0.103) / 0.103)
+    assert model.verdict == "pass (within the real spread)"
+    assert wire.verdict == "FAIL" and wire.error > 0.15
+    assert off.verdict == "not available" and off.error is None
+    v = val.Validation("t.yaml", ["python"], 2, 1, 2, 0.01, real, [model, wire, off], spread)
+    assert not v.passed
+    rows = error_table(v)
+    assert rows[0][:4] == ["system", "median (ms)", "p95 (ms)", "error of median"]
+    assert rows[1][0] == "real" and rows[1][4] == f"{spread * 100:.2f}%"
+    assert rows[3][3].startswith("+") and rows[3][5] == "FAIL"
+    assert rows[4][5].startswith("not available")
+    d = v.as_dict()
+    assert d["passed"] is False and d["modes"][0]["mode"] == "model"
+    json.dumps(d)
+    # Only available modes gate: drop the failing one and it passes.
+    assert val.Validation("t.yaml", ["python"], 2, 1, 2, 0.01, real, [model, off], spread).passed
+
+
+def test_a_mode_whose_runs_failed_fails_the_validation_but_keeps_its_row():
+    real = ModeResult("real", runs=[[0.1, 0.1]])
+    model = ModeResult("model", runs=[[0.1, 0.1]])
+    wire = ModeResult("wire", failed="nbox run failed with status 1: boom")
+    compare(real, [model, wire], 0.5)
+    v = val.Validation("t.yaml", ["python"], 2, 1, 1, 0.5, real, [model, wire], None)
+    assert model.verdict == "pass" and wire.verdict.startswith("FAIL: nbox run failed")
+    assert not v.passed and error_table(v)[3][5].endswith("boom")
+
+
+def test_one_run_has_no_spread():
+    real = ModeResult("real", runs=[[0.1, 0.1]])
+    m = ModeResult("model", runs=[[0.1, 0.1]])
+    assert compare(real, [m], 0.0) is None
+    assert m.error == 0.0 and m.verdict == "pass"
+
+
+def test_wire_availability_follows_nbox_run(monkeypatch):
+    from neuronabox.cli import run_cmd
+
+    ok, why = val.wire_available()
+    import inspect
+
+    has = {"cluster", "mode"} <= set(inspect.signature(run_cmd.run).parameters)
+    assert ok is has and (why == "") is has
+
+    def run(topology, command): ...
+
+    monkeypatch.setattr(run_cmd, "run", run)
+    ok, why = val.wire_available()
+    assert not ok and "--mode wire" in why
+
+
+def test_rank_cores_pin_each_rank_to_its_own_core_while_there_are_enough():
+    cores = sorted(os.sched_getaffinity(0))
+    got = val.rank_cores(len(cores) + 1)
+    assert got[: len(cores)] == cores and got[-1] == cores[0]
+
+
+RECORDED = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    assert dist.get_backend() == "gloo", dist.get_backend()   # the real backend stays
+    model = DDP(torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for _ in range(5):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        other.step()   # a second optimizer does not mark iterations
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_record_only_mode_records_iterations_and_leaves_gloo_in_place(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "s.py"
+    script.write_text(RECORDED)
+    rec = tmp_path / "rec.json"
+    from neuronabox.emu.launch import free_port
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(val.RECORD_ONLY_DIR), str(ROOT)]), "NBOX_RECORD_ONLY": "1",
+           "NBOX_RECORD": str(rec), "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    env.pop("NBOX_TOPOLOGY", None)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(rec.read_text())
+    assert len(data["iterations"]) == 5 and all(t > 0 for t in data["iterations"])
+    assert data["model"] == "real (gloo)" and data["ops"] == [] and data["world_size"] == 1
+    from neuronabox.report.run_summary import summarize
+
+    assert summarize(data, 1)["iteration_time"]["count"] == 4
+
+
+def test_cli_errors_are_one_line_and_exit_2(tmp_path):
+    topo = tmp_path / "t.yaml"
+    topo.write_text("cluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps}}\nemulation: {library: gloo}\n")
+    cases = [
+        (["validate", str(topo)], "no command to run"),
+        (["validate", str(topo), "--tolerance", "lots", "--", "python", "x.py"], "--tolerance"),
+        (["validate", str(topo), "--modes", "real", "--", "python", "x.py"], "--modes"),
+        (["validate", str(tmp_path / "none.yaml"), "--", "python", "x.py"], "no such topology file"),
+        (["validate", str(topo), "-m", "calibrated", "--profile", str(tmp_path / "no.json"), "--", "python", "x.py"], "--profile"),
+        (["calibrate", str(topo), "--sizes", "8MiB:4B"], "--sizes"),
+        (["calibrate", str(topo), "--ops", "all_reduce,nope"], "--ops"),
+        (["calibrate", str(topo), "--max-op-time", "soon"], "--max-op-time"),
+    ]
+    for args, message in cases:
+        r = run_nbox(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)

@@ -1,0 +1,100 @@
+"""``nbox validate`` end to end: the real 2-rank system in namespaces against model mode; exit codes gate CI; nothing leaks.
+
+Root only (namespaces, qdiscs, iptables).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch", reason="validate trains for real")
+
+from neuronabox.cluster.netns import list_namespaces  # noqa: E402
+
+from .conftest import run_nbox  # noqa: E402
+
+TOPO = """name: val1g
+cluster: {nodes: 2}
+network: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}
+emulation: {library: gloo}
+"""
+
+TINY = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for _ in range(8):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    dist.destroy_process_group()
+    """
+)
+
+
+def leftovers(state_dir) -> dict:
+    """What a run could leave behind: our namespaces, processes of our clusters, state files."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        try:
+            env = p.environ()
+        except psutil.Error:
+            env = {}
+        # The cluster's agent and relay carry our state dir; the ranks carry validate's run id.
+        if (env.get("NBOX_STATE_DIR") == str(state_dir) or env.get("TORCHELASTIC_RUN_ID", "").startswith("nbox-validate-")
+                or "neuronabox.fidelity.calibrate" in cmd):
+            procs.append(p.pid)
+    names = sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []
+    return {
+        "namespaces": sorted(n for n in list_namespaces() if n.startswith(("nbx-val", "nbx-cal"))),
+        "processes": procs,
+        "state": [n for n in names if not n.startswith(".")],
+    }
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBOX_STATE_DIR", str(tmp_path / "state"))
+    topo = tmp_path / "val.yaml"
+    topo.write_text(TOPO)
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY)
+    return topo, script
+
+
+@pytest.mark.parametrize("tolerance,code", [("0%", 1), ("1000%", 0)])
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, qdiscs, iptables)")
+def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, tolerance, code):
+    import sys
+
+    topo, script = files
+    before = leftovers(tmp_path / "state")
+    out = tmp_path / "v.json"
+    r = run_nbox("validate", str(topo), "--modes", "model", "--warmup", "2", "--repeats", "2" if code == 0 else "1",
+                 "--tolerance", tolerance, "--json", str(out), "--", sys.executable, str(script))
+    assert r.returncode == code, r.stdout + r.stderr
+    v = json.loads(out.read_text())
+    assert v["iterations"] == 6 and v["passed"] is (code == 0)
+    real, (model,) = v["real"], v["modes"]
+    assert model["mode"] == "model" and model["available"]
+    assert all(len(run) == 6 for run in real["runs"] + model["runs"])
+    assert real["median_s"] > 0 and model["median_s"] > 0 and model["error"] is not None
+    print(f"\nreal {real['median_s'] * 1e3:.2f} ms, model {model['median_s'] * 1e3:.2f} ms, error {model['error']:+.2%}, "
+          f"real spread {v['real_spread']}")
+    assert "error of median" in r.stdout and ("FAIL" in r.stdout) is (code == 1)
+    if code == 0:
+        assert len(real["runs"]) == 2 and v["real_spread"] is not None
+    assert leftovers(tmp_path / "state") == before
