@@ -366,6 +366,9 @@ class Relay:
             # Not a redirected connection (someone dialled the relay port directly).
             transport.abort()
             return
+        # The relay releases bytes when their delay is up; Nagle on its client side would hold
+        # small releases back for the client's delayed ACK (tens to hundreds of ms).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = _Conn(self, key, dst[0])
         # Hand the accepted transport over to the connection's client side.
         transport.set_protocol(conn.client)

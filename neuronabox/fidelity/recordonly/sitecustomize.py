@@ -81,6 +81,28 @@ def _install(out: str) -> None:
 
     atexit.register(write)
 
+    try:
+        import torch.distributed as dist
+
+        destroy = dist.destroy_process_group
+
+        def destroy_process_group(group=None):
+            # gloo can abort a rank that tears down while its peer still talks to it ("terminate
+            # called without an active exception"): write the record first (an abort skips atexit),
+            # then let every rank reach teardown together.
+            if group is None and dist.is_initialized():
+                write()
+                try:
+                    dist.barrier()
+                except Exception:  # a peer already gone: teardown goes on regardless
+                    pass
+            return destroy(group)
+
+        destroy_process_group.__wrapped__ = destroy
+        dist.destroy_process_group = destroy_process_group
+    except ImportError:
+        pass
+
 
 if os.environ.get("NBOX_RECORD_ONLY") and os.environ.get("NBOX_RECORD"):
     _install(os.environ["NBOX_RECORD"])
