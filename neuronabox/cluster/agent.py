@@ -36,6 +36,22 @@ from .state import ClusterState
 __all__ = ["Agent", "NoSuchLink", "parse_shape_changes", "main"]
 
 
+class JsonRequestHandler(BaseHTTPRequestHandler):
+    """The agents' HTTP handlers: JSON (or text) replies, and no per-request log lines."""
+
+    server_version = "nbox-agent"
+
+    def log_message(self, fmt, *args):  # keep the log for errors only
+        pass
+
+    def _send(self, code: int, body, ctype: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else (json.dumps(body, indent=1) + "\n").encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
 class NoSuchLink(InputError):
     """A link name the cluster does not have (HTTP 404)."""
 
@@ -295,21 +311,8 @@ class Agent:
         registry.register(self.collector())
         agent = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonRequestHandler):
             """GET/POST /links[/<name>], GET /metrics, GET /health."""
-
-            server_version = "nbox-agent"
-
-            def log_message(self, fmt, *args):  # keep the log for errors only
-                pass
-
-            def _send(self, code: int, body, ctype: str = "application/json") -> None:
-                data = body if isinstance(body, bytes) else (json.dumps(body, indent=1) + "\n").encode()
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
             def do_GET(self):
                 path = unquote(self.path.split("?")[0]).rstrip("/")

@@ -568,7 +568,9 @@ class DockerAgent:
 
     def serve(self, port: int, host: str = "0.0.0.0", stop: threading.Event | None = None) -> None:
         """Shape, then serve the API until ``stop`` is set (or forever)."""
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import ThreadingHTTPServer
+
+        from .agent import JsonRequestHandler
         from urllib.parse import unquote
 
         from .agent import parse_shape_changes
@@ -580,19 +582,8 @@ class DockerAgent:
         stop = stop or threading.Event()
         agent = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonRequestHandler):
             """GET /health, /links, /links/<node>, /metrics; POST /links/<node>."""
-
-            def log_message(self, fmt, *args):
-                pass
-
-            def _send(self, code: int, body, ctype: str = "application/json") -> None:
-                data = body if isinstance(body, bytes) else (json.dumps(body, indent=1) + "\n").encode()
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
             def do_GET(self):
                 path = unquote(self.path.split("?")[0]).rstrip("/")
