@@ -68,6 +68,7 @@ PREMUL_SUM/bitwise reductions, mixed dtypes) run in model mode, with one warning
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -336,6 +337,10 @@ class WireClient:
         self._Work = _make_work_class()
         self._thread = threading.Thread(target=self._loop, name="nbox-wire", daemon=True)
         self._thread.start()
+        self._closed = False
+        # The wire thread runs torch ops; left running into interpreter shutdown it can meet torch's
+        # static destructors and abort the process ("terminate called without an active exception").
+        atexit.register(self.close)
 
     @classmethod
     def from_env(cls, emulator) -> "WireClient | None":
@@ -549,6 +554,8 @@ class WireClient:
         torch.set_grad_enabled(False)  # thread-local: the wire's arithmetic records no autograd graph
         while True:
             job = self.q.get()
+            if job is None:  # close(): no more work
+                return
             self.seq += 1
             job.seq = self.seq
             rec = job.rec
@@ -774,7 +781,12 @@ class WireClient:
         self._fence(pn, job.seq, steps - 1)
 
     def close(self) -> None:
-        """End the sessions (the stubs drop them; the process may exit without this)."""
+        """Stop the wire thread after the queued work and end the sessions (the stubs drop them)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.q.put(None)
+        self._thread.join(timeout=10)
         for p in self.peers.values():
             try:
                 send_msg(p.ctl, {"t": "bye"})
