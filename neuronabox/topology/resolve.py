@@ -224,9 +224,7 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
         if name in names:
             raise TopologyError(source, f"cluster.nodes[{i}].name", f"duplicate node name {name!r}")
         names[name] = i
-        entries.append({"name": name, **{k: v for k, v in n.model_dump(exclude={"name"}).items() if v is not None}})
-        if n.intra_node is not None:
-            entries[-1]["intra_node"] = n.intra_node
+        entries.append({**_override_fields(n), "name": name})
     for key, ov in cl.overrides.items():
         for idx in _override_targets(key, names, len(entries), source):
             entries[idx].update(_override_fields(ov))
@@ -278,7 +276,8 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
 
 
 def _override_fields(ov: NodeOverride) -> dict[str, Any]:
-    out = {k: v for k, v in ov.model_dump(exclude={"intra_node"}).items() if v is not None}
+    """The fields a node entry or an override sets (a NodeSpec's name is the caller's business)."""
+    out = {k: v for k, v in ov.model_dump(exclude={"intra_node", "name"}).items() if v is not None}
     if ov.intra_node is not None:
         out["intra_node"] = ov.intra_node
     return out
