@@ -46,3 +46,21 @@ def tmp_yaml(tmp_path):
         return p
 
     return write
+
+
+def private_cluster_state(tmp_path_factory, prefix: str):
+    """A module's own NBOX_STATE_DIR; clusters left in it are taken down at the end (use with ``yield from``)."""
+    from neuronabox.cluster import runtime as rt
+    from neuronabox.cluster.state import ClusterState
+
+    old = os.environ.get("NBOX_STATE_DIR")
+    d = tmp_path_factory.mktemp(prefix)
+    os.environ["NBOX_STATE_DIR"] = str(d)
+    yield d
+    for name in os.listdir(d):
+        if ClusterState.exists(name):
+            rt.down(name)
+    if old is None:
+        os.environ.pop("NBOX_STATE_DIR", None)
+    else:
+        os.environ["NBOX_STATE_DIR"] = old

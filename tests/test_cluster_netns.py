@@ -23,7 +23,7 @@ from neuronabox.cluster.netns import Namespace, list_namespaces
 from neuronabox.cluster.state import ClusterState
 from neuronabox.topology.graph import ClusterGraph
 
-from .conftest import ROOT, topo
+from .conftest import ROOT, private_cluster_state, topo
 
 pytestmark = [
     pytest.mark.root,
@@ -33,17 +33,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module", autouse=True)
 def state_dir(tmp_path_factory):
-    old = os.environ.get("NBOX_STATE_DIR")
-    d = tmp_path_factory.mktemp("nbox-state")
-    os.environ["NBOX_STATE_DIR"] = str(d)
-    yield d
-    for name in os.listdir(d):
-        if ClusterState.exists(name):
-            rt.down(name)
-    if old is None:
-        os.environ.pop("NBOX_STATE_DIR", None)
-    else:
-        os.environ["NBOX_STATE_DIR"] = old
+    yield from private_cluster_state(tmp_path_factory, "nbox-state")
 
 
 def switch_topo(n: int, bw: str = "10Gbps", lat: str = "0us"):

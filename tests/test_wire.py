@@ -19,7 +19,7 @@ from neuronabox.cluster import runtime as rt
 from neuronabox.cluster.netns import list_namespaces
 from neuronabox.cluster.state import ClusterState
 
-from .conftest import ROOT, run_nbox
+from .conftest import ROOT, private_cluster_state, run_nbox
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, qdiscs, iptables)")
 
@@ -68,17 +68,7 @@ print("RESULT " + json.dumps({"dt": dt, "checks": checks, "nic0": [c1["nic0"][i]
 
 @pytest.fixture(scope="module", autouse=True)
 def state_dir(tmp_path_factory):
-    old = os.environ.get("NBOX_STATE_DIR")
-    d = tmp_path_factory.mktemp("nbox-wire-state")
-    os.environ["NBOX_STATE_DIR"] = str(d)
-    yield d
-    for name in os.listdir(d):
-        if ClusterState.exists(name):
-            rt.down(name)
-    if old is None:
-        os.environ.pop("NBOX_STATE_DIR", None)
-    else:
-        os.environ["NBOX_STATE_DIR"] = old
+    yield from private_cluster_state(tmp_path_factory, "nbox-wire-state")
 
 
 def topology_yaml(tmp_path, name: str, nodes: int, bw: str, lat: str) -> str:
