@@ -247,12 +247,37 @@ class _GroupWork(NboxWork):
     """The works issued between ``start_coalescing`` and ``end_coalescing``: done when all are."""
 
     def __init__(self, works: list[NboxWork], emulator: Emulator):
-        if any(w._event is not None for w in works):
+        # Hybrid works (hybrid.py) complete when their real part is done too; device-timed ones learn their end later.
+        self._hybrid = any(hasattr(w, "hybrid") for w in works)
+        if self._hybrid or any(w._event is not None for w in works):
             last = works[-1]  # device-timed: the last one issued (same stream, FIFO) ends last
         else:
             last = max(works, key=lambda w: w._rec.end)
         super().__init__(last._rec, [w._result for w in works], emulator, last._event, last._device)
         self._works = works
+
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes when every op of the group has."""
+        if not self._hybrid:
+            return super().get_future()
+        if self._future is None:
+            results = self._result
+
+            def all_done(fut):
+                for f in fut.value():
+                    f.value()  # raises the first failure
+                return results
+
+            self._future = torch.futures.collect_all([w.get_future() for w in self._works]).then(all_done)
+        return self._future
+
+    def is_success(self) -> bool:
+        """Whether every op of the group succeeded."""
+        return all(w.is_success() for w in self._works)
+
+    def exception(self):
+        """The first op's failure, if any."""
+        return next((e for w in self._works if (e := w.exception()) is not None), None)
 
     def wait(self, timeout=None) -> bool:
         """Wait for every op of the group."""
@@ -284,6 +309,10 @@ class NboxProcessGroup(dist.ProcessGroup):
         # Wire mode hook (neuronabox/emu/wire.py): when set, supported collectives move real bytes
         # to stub peers over the cluster's links; each method below asks it first (None: model mode).
         self._wire = getattr(emulator, "wire", None)
+        # Hybrid hook (neuronabox/emu/hybrid.py): with two or more real members the real ranks run
+        # each op among themselves; each method below hands it over first (None: one real member).
+        hybrid = getattr(emulator, "hybrid", None)
+        self._hybrid = hybrid.group_for(self.global_ranks, rank) if hybrid is not None else None
 
     # --- identity -------------------------------------------------------------------------------
 
@@ -343,6 +372,15 @@ class NboxProcessGroup(dist.ProcessGroup):
             _no_grad_call(mirror)
         return self._track(NboxWork(rec, result, self._emu, source_rank=source_rank))
 
+    def _real(self, tensor: torch.Tensor | None = None):
+        """The hybrid rules for ``tensor``'s device (gloo for CPU, NCCL for CUDA)."""
+        return self._hybrid.rules(tensor.device if tensor is not None else _CPU)
+
+    @property
+    def hybrid(self):
+        """The real side of this group (hybrid.HybridGroup), or None when it holds one real rank."""
+        return self._hybrid
+
     def _track(self, work: NboxWork) -> NboxWork:
         if self._coalescing is not None:
             self._coalescing.append(work)
@@ -356,6 +394,8 @@ class NboxProcessGroup(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         n = self._n
+        if self._hybrid is not None:
+            return self._track(self._real(tensors[0]).allreduce(self, tensors, op))
         if self._wire is not None and (w := self._wire.allreduce(self, tensors, op)) is not None:  # wire mode hook
             return self._track(w)
 
@@ -374,6 +414,8 @@ class NboxProcessGroup(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         root = opts.rootRank if opts is not None else 0
+        if self._hybrid is not None:
+            return self._track(self._real(tensors[0]).broadcast(self, tensors, root))
         if self._wire is not None and (w := self._wire.broadcast(self, tensors, root)) is not None:  # wire mode hook
             return self._track(w)
         return self._issue(Op.BROADCAST, _nbytes(tensors), tensors, None, tensors, root)
@@ -382,6 +424,10 @@ class NboxProcessGroup(dist.ProcessGroup):
         """Reduce: on the real rank as root the result is the mirrored reduction; elsewhere the input is left."""
         root = opts.rootRank if opts is not None else 0
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if self._hybrid is not None:
+            return self._track(self._real(tensors[0]).reduce(self, tensors, op, root))
         n = self._n
         mirror = None
         if root == self._me:
@@ -396,6 +442,9 @@ class NboxProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """All-gather into lists: every output is a copy of the input."""
+        if self._hybrid is not None:
+            real = self._real(input_tensors[0])
+            return self._track(real.allgather(self, output_tensors, input_tensors, coalesced=False))
         if self._wire is not None and len(input_tensors) == 1 and (  # wire mode hook
                 w := self._wire.all_gather(self, output_tensors[0], input_tensors[0], result=output_tensors)
         ) is not None:
@@ -412,6 +461,8 @@ class NboxProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """Coalesced all-gather of several tensors: output_lists[i][j] is rank i's input j."""
+        if self._hybrid is not None:
+            return self._track(self._real(input_list[0]).allgather(self, output_lists, input_list, coalesced=True))
 
         def mirror():
             for outs in output_lists:
@@ -431,6 +482,8 @@ class NboxProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's name
         """All-gather into one tensor (``all_gather_into_tensor``): n copies of the input."""
+        if self._hybrid is not None:
+            return self._track(self._real(input).all_gather_single(self, [output], [input]))
         if self._wire is not None and (w := self._wire.all_gather(self, output, input)) is not None:  # wire mode hook
             return self._track(w)
         return self._issue(
@@ -442,6 +495,8 @@ class NboxProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         """Several all-gathers into tensors launched as one."""
+        if self._hybrid is not None:
+            return self._track(self._real(inputs[0]).all_gather_single(self, list(outputs), list(inputs)))
 
         def mirror():
             for o, x in zip(outputs, inputs):
@@ -457,6 +512,8 @@ class NboxProcessGroup(dist.ProcessGroup):
         """Reduce-scatter from lists: our chunk of every peer is our own chunk, reduced n times."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         n, me = self._n, self._me
+        if self._hybrid is not None:
+            return self._track(self._real(output_tensors[0]).reduce_scatter(self, output_tensors, input_tensors, op))
         if self._wire is not None and len(output_tensors) == 1 and (  # wire mode hook
                 w := self._wire.reduce_scatter(self, output_tensors[0], list(input_tensors[0]), op,
                                                result=list(output_tensors))) is not None:
@@ -484,6 +541,8 @@ class NboxProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 - torch's name
         """Reduce-scatter of one tensor (``reduce_scatter_tensor``): our chunk, reduced n times."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if self._hybrid is not None:
+            return self._track(self._real(input).reduce_scatter_single(self, [output], [input], op))
         # wire mode hook
         if self._wire is not None and (w := self._wire.reduce_scatter(self, output, input, op)) is not None:
             return self._track(w)
@@ -501,6 +560,8 @@ class NboxProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         """Several reduce-scatters of tensors launched as one."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if self._hybrid is not None:
+            return self._track(self._real(inputs[0]).reduce_scatter_single(self, list(outputs), list(inputs), op))
 
         def mirror():
             for o, x in zip(outputs, inputs):
@@ -515,6 +576,8 @@ class NboxProcessGroup(dist.ProcessGroup):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """All-to-all of lists: peer j sends us its chunk for us, which equals our chunk ``me``."""
         me = self._me
+        if self._hybrid is not None:
+            return self._track(self._real(input_tensors[0]).alltoall(self, output_tensors, input_tensors))
 
         def mirror():
             src = input_tensors[me]
@@ -537,6 +600,10 @@ class NboxProcessGroup(dist.ProcessGroup):
         Output chunk j is peer j's chunk for us, i.e. our input chunk ``me``; when the sizes
         differ (uneven splits) the common prefix is copied and the rest zeroed.
         """
+        if self._hybrid is not None and input.dim():
+            return self._track(
+                self._real(input).all_to_all_single(self, output, input, output_split_sizes, input_split_sizes)
+            )
         n, me = self._n, self._me
         in_splits, in_off = _split_offsets(input.shape[0] if input.dim() else input.numel(), input_split_sizes, n)
         out_splits, out_off = _split_offsets(output.shape[0] if output.dim() else output.numel(), output_split_sizes, n)
@@ -558,6 +625,8 @@ class NboxProcessGroup(dist.ProcessGroup):
     def gather(self, output_tensors, input_tensors, opts=None):
         """Gather: at the real rank as root every slot is a copy of the input."""
         root = opts.rootRank if opts is not None else 0
+        if self._hybrid is not None:
+            return self._track(self._real(input_tensors[0]).gather(self, output_tensors, input_tensors, root))
         mirror = None
         if root == self._me:
 
@@ -574,6 +643,8 @@ class NboxProcessGroup(dist.ProcessGroup):
     def scatter(self, output_tensors, input_tensors, opts=None):
         """Scatter: from the real rank it keeps our slot; from an emulated root the output stays as it is."""
         root = opts.rootRank if opts is not None else 0
+        if self._hybrid is not None:
+            return self._track(self._real(output_tensors[0]).scatter(self, output_tensors, input_tensors, root))
         me = self._me
         mirror = None
         if root == me and input_tensors:
@@ -606,6 +677,8 @@ class NboxProcessGroup(dist.ProcessGroup):
     def send(self, tensors, dst_rank, tag=0):
         """Send to an emulated peer; a copy is kept as what a later recv of that shape yields."""
         self._check_peer(dst_rank, "send")
+        if self._hybrid is not None and dst_rank in self._hybrid.member_set:
+            return self._track(self._real(tensors[0]).p2p(self, tensors, dst_rank, True, tag))
         with torch.no_grad():
             for t in tensors:
                 key = (tuple(t.shape), t.dtype, t.device)
@@ -619,6 +692,8 @@ class NboxProcessGroup(dist.ProcessGroup):
     def recv(self, tensors, src_rank, tag=0):
         """Receive from an emulated peer: the last sent tensor of the same shape, dtype and device, else zeros."""
         self._check_peer(src_rank, "recv")
+        if self._hybrid is not None and src_rank in self._hybrid.member_set:
+            return self._track(self._real(tensors[0]).p2p(self, tensors, src_rank, False, tag))
         return self._recv(tensors, src_rank, src_rank)
 
     def recv_anysource(self, tensors, tag=0):
@@ -626,6 +701,8 @@ class NboxProcessGroup(dist.ProcessGroup):
         src = (self._me - 1) % self._n
         if src == self._me:
             raise ValueError("nbox: recv_anysource in a group of one rank")
+        if self._hybrid is not None and src in self._hybrid.member_set:
+            return self._track(self._real(tensors[0]).p2p(self, tensors, src, False, tag))
         return self._recv(tensors, src, src)
 
     def _recv(self, tensors, src: int, source_rank: int) -> NboxWork:
@@ -651,6 +728,8 @@ class NboxProcessGroup(dist.ProcessGroup):
             # NCCL's barrier is a device all-reduce that the CPU then waits for: the real rank
             # leaves it only once its own stream has drained. No other thread is involved.
             torch.cuda.current_stream().synchronize()
+        if self._hybrid is not None:
+            return self._track(self._real().barrier(self))
         if self._wire is not None and (w := self._wire.barrier(self)) is not None:  # wire mode hook
             return self._track(w)
         rec = self.timeline.schedule(Op.BARRIER, 0)

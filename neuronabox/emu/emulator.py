@@ -19,11 +19,14 @@ from ..topology import Topology, load_topology
 from .straggler import ComputeSkew, compute_factors
 from .timeline import Recorder, StragglerHook, Timeline, Waker
 
-__all__ = ["Emulator", "current", "set_current", "sees_contention", "ENV_TOPOLOGY", "ENV_MODEL", "ENV_REAL_RANK"]
+__all__ = [
+    "Emulator", "current", "set_current", "sees_contention", "ENV_TOPOLOGY", "ENV_MODEL", "ENV_REAL_RANK", "ENV_REAL_RANKS",
+]
 
 ENV_TOPOLOGY = "NBOX_TOPOLOGY"
 ENV_MODEL = "NBOX_MODEL"
 ENV_REAL_RANK = "NBOX_REAL_RANK"
+ENV_REAL_RANKS = "NBOX_REAL_RANKS"  # all real ranks of the run, "0,1,..." (hybrid collectives when several)
 
 
 class Emulator:
@@ -31,6 +34,8 @@ class Emulator:
 
     ``contention`` (default: whether the model sees contention) makes an op that starts while
     other communicators' ops are in flight take the model's concurrent duration.
+    ``real_ranks`` (default: ``NBOX_REAL_RANKS``, else just ``real_rank``): every rank of the run
+    that is a real process; groups with two or more of them run hybrid collectives (hybrid.py).
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class Emulator:
         model: CommModel | str | None = None,
         straggler: StragglerHook | None = None,
         contention: bool | None = None,
+        real_ranks: "tuple[int, ...] | list[int] | None" = None,
     ):
         if not 0 <= real_rank < topology.world_size:
             raise ValueError(f"real rank {real_rank} is outside the world of {topology.world_size} ranks")
@@ -68,6 +74,21 @@ class Emulator:
             from .wire import WireClient
 
             self.wire = WireClient.from_env(self)
+        # Hybrid hook: with several real ranks, groups holding two or more of them run for real among them.
+        if real_ranks is None:
+            real_ranks = (real_rank,)
+            if os.environ.get(ENV_REAL_RANKS):
+                from .hybrid import parse_real_ranks
+
+                real_ranks = parse_real_ranks(os.environ[ENV_REAL_RANKS], self.world_size, real_rank)
+        self.real_ranks: tuple[int, ...] = tuple(sorted(set(real_ranks)))
+        self.hybrid = None
+        if len(self.real_ranks) > 1:
+            from .hybrid import HybridContext
+
+            if real_rank not in self.real_ranks:
+                raise ValueError(f"real rank {real_rank} is not among the real ranks {self.real_ranks}")
+            self.hybrid = HybridContext.from_env(self, self.real_ranks)
 
     def new_timeline(self, group: Group, kind: str = "comm") -> Timeline:
         """A fresh communicator timeline: two process groups over the same ranks are still two NCCL communicators."""

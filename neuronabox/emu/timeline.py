@@ -346,6 +346,21 @@ class Timeline:
         self.recorder.add(r)
         return r
 
+    def place(self, r: OpRecord, arrival: float) -> None:
+        """Fix the start and end of a recorded op whose arrival is known only now (hybrid ops), after the previous op.
+
+        ``arrival`` is when the group's last rank arrived (the straggler delay included).
+        """
+        with self._lock:
+            r.start = max(arrival, self.last_end)
+            if self.contention is not None:
+                hit = self.contention(self, r.op, r.nbytes, r.root, r.start)
+                if hit is not None:
+                    r.duration, r.algorithm = hit
+            r.end = r.start + r.duration
+            self.last_end = r.end
+            self.recent.append(r)
+
     def schedule_device(self, op: Op, nbytes: int, device: str, root: int = 0) -> OpRecord:
         """Queue a device-timed op: its start and end come from the device later; returns its record."""
         r = self._record(op, nbytes, root, clock())

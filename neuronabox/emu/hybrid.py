@@ -1,0 +1,1038 @@
+"""Hybrid collectives: several real ranks run a collective among themselves, the emulated ranks enter through the model.
+
+When ``NBOX_REAL_RANKS`` names k >= 2 real ranks, every nbox process group that holds at
+least two of them gets a ``HybridGroup``: the real members run the op for real (gloo over
+``NBOX_REAL_STORE`` for CPU tensors, NCCL for CUDA tensors) and every real member completes
+it at the same modeled instant.
+
+Data (mirror semantics extended): inside a group, the emulated members, taken in group
+order, are dealt round-robin to the real members in group order (the e-th emulated member
+mirrors real member e mod k) and hold a copy of their mirror's data. Real member i thus
+stands for ``c_i`` members (itself included): c_i = 1 + (n-k)//k, plus one for the first
+(n-k) % k real members. SUM all-reduce gives sum_i c_i x_i (= real sum x n/k when k divides
+n), AVG that divided by n, all-gather's chunk j is the tensor of j's mirror, and so on.
+
+Timing (CPU path, documented in the README): op i of a hybrid communicator starts at
+max(latest real arrival, op i-1's modeled end) and ends at start + the model's duration for
+the whole group; a real rank completes it at max(that end, when its real transfer finished,
+its completion of op i-1). Each real rank's arrival (call time, plus the straggler hook's
+delay) is shared through a small all-gather issued beside the data op on the same gloo
+group, so neither blocks the caller. Completion goes through the timeline's Waker
+(futures) or a sleep in ``Work.wait()``; the gloo threads only run the bookkeeping callbacks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import Op
+from ..errors import InputError
+from ..model.base import Group
+from .backend import NboxWork, UnsupportedCollective, _fit_copy, _no_grad_call, _reduce_inplace, _split_offsets
+from .timeline import OpRecord, Timeline, clock, sleep_until, tune_thread_timer_slack
+
+__all__ = [
+    "ENV_REAL_RANKS", "ENV_REAL_STORE", "ENV_REAL_STORE_PREFIX", "ENV_REAL_TIMEOUT",
+    "HybridContext", "HybridGroup", "HybridWork", "RealRankError", "parse_real_ranks", "mirror_map",
+]
+
+ENV_REAL_RANKS = "NBOX_REAL_RANKS"
+ENV_REAL_STORE = "NBOX_REAL_STORE"
+ENV_REAL_STORE_PREFIX = "NBOX_REAL_STORE_PREFIX"
+ENV_REAL_TIMEOUT = "NBOX_REAL_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+EXIT_GRACE_S = 10.0  # how long a real rank waits at exit for the others (a dead one never comes)
+
+_RedOp = dist.ReduceOp.RedOpType
+_OPS = list(Op)
+_OPCODE = {op: i for i, op in enumerate(_OPS)}
+# Meta row of one real rank: arrival (shared clock), call time (shared clock), op, bytes, root, sequence number.
+_ARRIVAL, _READY, _OPC, _NBYTES, _ROOT, _SEQ = range(6)
+_META = 6
+_P2P_META_TAG = 0x3FFF0000  # gloo tags of the p2p metas, far from any tag a script uses
+
+
+class RealRankError(RuntimeError):
+    """Another real rank died, never arrived or did something else: the hybrid op cannot complete."""
+
+
+def parse_real_ranks(text: str | None, world_size: int, real_rank: int) -> tuple[int, ...]:
+    """``NBOX_REAL_RANKS`` ("0,1,...") as a sorted tuple; absent or empty: just ``real_rank``."""
+    if not text or not text.strip():
+        return (real_rank,)
+    try:
+        ranks = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        raise InputError(f"{ENV_REAL_RANKS}: {text!r} is not a comma-separated list of ranks") from None
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise InputError(f"{ENV_REAL_RANKS}: rank {bad[0]} is outside the world of {world_size} ranks")
+    if real_rank not in ranks:
+        raise InputError(f"{ENV_REAL_RANKS}: {text!r} does not contain this process's rank {real_rank}")
+    return tuple(ranks) if ranks else (real_rank,)
+
+
+def mirror_map(n: int, real_members: Sequence[int]) -> list[int]:
+    """For each group-local index, the index (into ``real_members``) of the real member it mirrors."""
+    k = len(real_members)
+    index = {j: i for i, j in enumerate(real_members)}
+    out, e = [], 0
+    for j in range(n):
+        if j in index:
+            out.append(index[j])
+        else:
+            out.append(e % k)
+            e += 1
+    return out
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def _wall_offset() -> float:
+    """time.time() - clock(), from the tightest of a few paired readings."""
+    best = None
+    for _ in range(5):
+        a = clock()
+        w = time.time()
+        b = clock()
+        if best is None or b - a < best[0]:
+            best = (b - a, w - (a + b) / 2)
+    return best[1]
+
+
+class HybridContext:
+    """One per process: the store shared by the real ranks, and a factory of hybrid groups."""
+
+    def __init__(self, emulator, real_ranks: Sequence[int], store_addr: str, prefix: str, timeout: float):
+        self.emu = emulator
+        self.real_ranks = tuple(real_ranks)
+        self.real_set = frozenset(real_ranks)
+        self.me = emulator.real_rank
+        self.timeout = timeout
+        self.prefix = prefix
+        host, sep, port = store_addr.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InputError(f"{ENV_REAL_STORE}: {store_addr!r} is not HOST:PORT")
+        self._addr = (host.strip("[]"), int(port))
+        self._store = None
+        self._lock = threading.Lock()
+        self._count: dict[tuple[int, ...], int] = {}
+        self.boot_id = _boot_id()
+        self.wall_offset = _wall_offset()
+        self.groups: list[HybridGroup] = []
+        self._closed = False
+        # Registered after torch's import, so it runs before torch's own teardown (atexit is LIFO).
+        atexit.register(self.close)
+
+    @classmethod
+    def from_env(cls, emulator, real_ranks: Sequence[int]) -> "HybridContext":
+        """The context that ``NBOX_REAL_STORE`` (required), ``NBOX_REAL_STORE_PREFIX`` and ``NBOX_REAL_TIMEOUT`` set."""
+        addr = os.environ.get(ENV_REAL_STORE)
+        if not addr:
+            raise InputError(f"{ENV_REAL_STORE}: not set, but {ENV_REAL_RANKS} names {len(real_ranks)} real ranks")
+        raw = os.environ.get(ENV_REAL_TIMEOUT, "")
+        try:
+            timeout = float(raw) if raw.strip() else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise InputError(f"{ENV_REAL_TIMEOUT}: {raw!r} is not a number of seconds") from None
+        if timeout <= 0:
+            raise InputError(f"{ENV_REAL_TIMEOUT}: {raw!r} must be positive")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefix = os.environ.get(ENV_REAL_STORE_PREFIX) or f"nbox-hybrid/{restart}/"
+        return cls(emulator, real_ranks, addr, prefix, timeout)
+
+    @property
+    def store(self):
+        """The client connection to the real ranks' store (opened on first use)."""
+        if self._store is None:
+            td = datetime.timedelta(seconds=self.timeout)
+            try:
+                raw = dist.TCPStore(self._addr[0], self._addr[1], is_master=False, timeout=td, wait_for_workers=False)
+            except Exception as exc:  # noqa: BLE001 - any connection failure gets one clear message
+                raise RealRankError(
+                    f"nbox: real rank {self.me} cannot reach the real ranks' store {ENV_REAL_STORE}="
+                    f"{self._addr[0]}:{self._addr[1]} within {self.timeout:g}s: {exc}"
+                ) from exc
+            self._store = dist.PrefixStore(self.prefix, raw)
+        return self._store
+
+    def group_for(self, global_ranks: Sequence[int], group_rank: int) -> "HybridGroup | None":
+        """A hybrid group when ``global_ranks`` holds at least two real ranks, else None (the single-real path)."""
+        ranks = tuple(global_ranks)
+        members = [j for j, g in enumerate(ranks) if g in self.real_set]
+        if len(members) < 2:
+            return None
+        if group_rank not in members:
+            raise RuntimeError(f"nbox: this process (rank {self.me}) is not a real member of group {ranks[:8]}")
+        # SPMD: every real member creates the groups over the same ranks in the same order,
+        # so (ranks, how many such groups came before) names the same group everywhere.
+        with self._lock:
+            count = self._count.get(ranks, 0)
+            self._count[ranks] = count + 1
+        digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+        group = HybridGroup(self, ranks, group_rank, members, f"g{digest}.{count}")
+        self.groups.append(group)
+        return group
+
+    def close(self, grace: float = EXIT_GRACE_S) -> None:
+        """Leave together: wait (briefly) for the other real ranks to finish, then drop every gloo group.
+
+        A gloo group left to interpreter teardown while a peer is closing its side aborts the
+        process ("terminate called without an active exception"): its pair threads meet the
+        closed sockets after their owners are gone. Dropping the groups once every real rank has
+        reached this point closes the pairs in order. A peer that died does not arrive: after
+        ``grace`` seconds the survivor drops its groups anyway.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.groups and self._store is not None:
+            try:
+                self._store.set(f"exit/{self.me}", "1")
+                self._store.wait([f"exit/{r}" for r in self.real_ranks], datetime.timedelta(seconds=grace))
+            except Exception:  # noqa: BLE001 - a dead peer or a gone store: leave anyway
+                pass
+        for g in self.groups:
+            g.release()
+        self.groups.clear()
+        gc.collect()
+
+
+class _Fifo:
+    """The hybrid ops of one timeline not yet resolved (start/end unknown) or not yet completed."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.unresolved: deque[HybridOp] = deque()
+        self.uncompleted: deque[HybridOp] = deque()
+        self.last_completion = float("-inf")
+        self.seq = 0
+
+
+class HybridGroup:
+    """The real side of one nbox group with k >= 2 real members: gloo groups, the mirror map, the data rules."""
+
+    def __init__(self, ctx: HybridContext, ranks: tuple[int, ...], group_rank: int, members: list[int], key: str):
+        self.ctx = ctx
+        self.ranks = ranks
+        self.n = len(ranks)
+        self.members = members  # group-local indices of the real members, in group order
+        self.k = len(members)
+        self.me = members.index(group_rank)  # my index among the real members (= my rank in the gloo groups)
+        self.mirror = mirror_map(self.n, members)
+        self.counts = [self.mirror.count(i) for i in range(self.k)]
+        self.key = key
+        self.real_world = [ranks[j] for j in members]
+        self._mirror_index: dict[torch.device, torch.Tensor] = {}
+        self._fifos: dict[int, _Fifo] = {}
+        self._p2p: dict[tuple[int, int], Timeline] = {}
+        self._warned_self_root = False
+        self.peers = self._join()
+        self.shared_offset = self._clock_offset()
+        self.member_set = frozenset(members)
+        # One gloo group carries the data ops and the small meta all-gathers beside them (a second
+        # group measured no faster, and costs threads); metas may finish out of order, advance() sorts that.
+        self.data = self.meta = self._gloo("data", threads=2)
+        self.gloo_rules = GlooRules(self)
+        self._cuda_rules = None
+
+    # --- setup ----------------------------------------------------------------------------------
+
+    def _join(self) -> dict[int, dict]:
+        """Announce this rank and wait for the other real members; a clear error names who never came."""
+        ctx, store = self.ctx, self.ctx.store
+        mine = {"rank": ctx.me, "pid": os.getpid(), "host": socket.gethostname(), "boot": ctx.boot_id}
+        store.set(f"{self.key}/here/{ctx.me}", json.dumps(mine))
+        keys = [f"{self.key}/here/{r}" for r in self.real_world]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=ctx.timeout))
+        except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError by version
+            missing = [r for r, key in zip(self.real_world, keys) if not store.check([key])]
+            raise RealRankError(
+                f"nbox: real rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing)) or '?'} did not join "
+                f"the communicator over ranks {_short(self.ranks)} within {ctx.timeout:g}s ({ENV_REAL_TIMEOUT}); "
+                f"real rank {ctx.me} gives up"
+            ) from exc
+        return {r: json.loads(store.get(k)) for r, k in zip(self.real_world, keys)}
+
+    def _clock_offset(self) -> float:
+        # One machine (one boot): CLOCK_MONOTONIC is shared, times travel as they are. Several
+        # machines: times travel as wall-clock seconds, which assumes synced clocks (NTP/PTP).
+        if len({p["boot"] for p in self.peers.values()}) == 1:
+            return 0.0
+        return self.ctx.wall_offset
+
+    def _gloo(self, name: str, threads: int):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=self.ctx.timeout)
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        opts._threads = threads
+        store = dist.PrefixStore(f"{self.key}/{name}/", self.ctx.store)
+        try:
+            return dist.ProcessGroupGloo(store, self.me, self.k, opts)
+        except Exception as exc:  # noqa: BLE001
+            raise RealRankError(f"nbox: real rank {self.ctx.me}: connecting to real ranks {self.real_world} "
+                                f"failed: {exc}") from exc
+
+    def fifo(self, timeline: Timeline) -> _Fifo:
+        """The pending hybrid ops of ``timeline``."""
+        f = self._fifos.get(id(timeline))
+        if f is None:
+            f = self._fifos[id(timeline)] = _Fifo()
+        return f
+
+    def mirror_index(self, device: torch.device) -> torch.Tensor:
+        """``mirror`` as an index tensor on ``device``."""
+        t = self._mirror_index.get(device)
+        if t is None:
+            t = self._mirror_index[device] = torch.tensor(self.mirror, dtype=torch.long, device=device)
+        return t
+
+    def describe_peers(self, grace: float = 1.0) -> str:
+        """Which other real members are gone (same machine: by pid) — for error messages.
+
+        A killed peer's sockets close while it is still exiting: look again for up to ``grace`` seconds.
+        """
+        others = [r for r in self.real_world if r != self.ctx.me]
+        local = {r: self.peers[r]["pid"] for r in others
+                 if self.peers.get(r, {}).get("boot") == self.ctx.boot_id
+                 and self.peers[r].get("host") == socket.gethostname()}
+        deadline = clock() + (grace if local else 0.0)
+        while True:
+            gone = [f"real rank {r} (pid {pid}) died" for r, pid in local.items() if not _alive(pid)]
+            if gone or clock() >= deadline:
+                break
+            time.sleep(0.05)
+        if gone:
+            return "; ".join(gone)
+        return f"real rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} did not answer"
+
+    # --- the op engine --------------------------------------------------------------------------
+
+    def start(self, timeline: Timeline, op: Op, nbytes: int, root: int, result,
+              p2p: tuple[int, int] | None = None) -> "HybridOp":
+        """Record a hybrid op on ``timeline`` (FIFO position fixed now) and issue its meta exchange.
+
+        ``p2p``: (the peer's index among the real members, the meta tag of this data direction).
+        """
+        rec = timeline._record(op, nbytes, root, clock())
+        rec.ready = rec.enqueue
+        fifo = self.fifo(timeline)
+        with fifo.lock:
+            seq = fifo.seq
+            fifo.seq += 1
+        h = HybridOp(self, timeline, fifo, rec, result, seq)
+        off = self.shared_offset
+        mine = torch.tensor(
+            [rec.ready + rec.extra + off, rec.ready + off, _OPCODE[op], nbytes, root, seq], dtype=torch.float64
+        )
+        with fifo.lock:
+            fifo.unresolved.append(h)
+            fifo.uncompleted.append(h)
+        self.ctx.emu.recorder.add(rec)
+        if p2p is None:
+            out = torch.empty(self.k * _META, dtype=torch.float64)
+            h.meta_out = out
+            h.meta_work = self.meta._allgather_base(out, mine)  # watched in finish(), with the data
+        else:  # gloo's send/recv works have no futures: they are waited on in Work.wait()
+            peer_meta = torch.empty(_META, dtype=torch.float64)
+            h.meta_out = peer_meta
+            h.mine = mine
+            peer, tag = p2p
+            h.lazy = [self.meta.send([mine], peer, tag), self.meta.recv([peer_meta], peer, tag)]
+        return h
+
+    def rooted(self, timeline: Timeline, op: Op, nbytes: int, root: int, result) -> tuple["HybridOp", int | None]:
+        """Start an op with a root and wait for the meta exchange: the real ranks must agree on the root first.
+
+        Returns the op and the root all agree on, or None when every real rank named itself
+        (``broadcast_object_list`` and DTensor's scatter are routed that way by ``launch.install``):
+        each then keeps the single-real-rank rule (data stays local).
+        """
+        h = self.start(timeline, op, nbytes, root, result)
+        h.watch_meta(h.meta_work)
+        h.meta_work = None
+        h.meta_event.wait(self.ctx.timeout + 30.0)
+        if h.error is not None:
+            raise h.error
+        if h.meta_rows is None:
+            raise RealRankError(f"nbox: {self.describe_peers()}: {op.value} on {timeline.name} got no answer "
+                                f"within {self.ctx.timeout:g}s")
+        roots = [int(r[_ROOT]) for r in h.meta_rows]
+        if len(set(roots)) == 1:
+            return h, roots[0]
+        if roots == self.members:
+            return h, None
+        h.fail(RealRankError(f"nbox: real ranks {self.real_world} called {op.value} on {timeline.name} with "
+                             f"different roots {roots} (group-local)"))
+        raise h.error
+
+    def finish(self, h: "HybridOp", works: Sequence, post: Callable[[], None] | None = None) -> "HybridWork":
+        """Attach the data works (and what to do once they are done) to ``h``; returns its Work."""
+        h.post = post
+        if h.lazy is not None:
+            h.lazy.extend(works)
+            return HybridWork(h)
+        futs = [w.get_future() for w in works]
+        meta = h.meta_work is not None
+        if meta:
+            futs.insert(0, h.meta_work.get_future())
+            h.meta_work = None
+        if not futs:
+            h.data_finished()
+        elif len(futs) == 1 and meta:
+            h.data_finished()
+            futs[0].add_done_callback(h._on_meta)
+        else:
+            # One callback (one trip through the GIL on a gloo thread) for the meta and the data.
+            h.with_meta = meta
+            torch.futures.collect_all(futs).add_done_callback(h._on_all)
+        return HybridWork(h)
+
+    def release(self) -> None:
+        """Drop this group's gloo group (its destructor joins the pair threads)."""
+        self.data = self.meta = None
+        self.gloo_rules = None
+
+    def abort(self) -> None:
+        """Stop this group's gloo group after a failure (its threads would otherwise abort on the broken pairs at exit)."""
+        try:
+            self.data.abort()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+    def rules(self, device: torch.device):
+        """How this group runs ops on ``device``: gloo for CPU tensors, NCCL for CUDA ones."""
+        if device.type == "cpu":
+            return self.gloo_rules
+        if device.type == "cuda":
+            if self._cuda_rules is None:
+                from .hybrid_cuda import NcclRules  # untested: CI has no GPU
+
+                self._cuda_rules = NcclRules(self)
+            return self._cuda_rules
+        raise UnsupportedCollective(f"nbox: hybrid collectives on {device.type} tensors are not supported")
+
+
+def _alive(pid) -> bool:
+    """Whether process ``pid`` of this machine still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="ascii") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False  # gone from /proc
+    except (ValueError, TypeError, IndexError):
+        return True  # cannot tell: do not claim it died
+    return state not in ("Z", "X")
+
+
+def _short(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:4]))}, ..., {ranks[-1]}] ({len(ranks)})"
+
+
+class HybridOp:
+    """One hybrid op: its record, meta and data works, and when it completes on this rank."""
+
+    __slots__ = (
+        "g", "tl", "fifo", "rec", "result", "seq", "meta_out", "meta_rows", "mine", "lazy", "post",
+        "meta_done", "data_done", "resolved", "error", "completion", "scheduled", "meta_event",
+        "future", "_base", "_lock", "meta_work", "with_meta",
+    )
+
+    def __init__(self, g: HybridGroup, tl: Timeline, fifo: _Fifo, rec: OpRecord, result, seq: int):
+        self.g, self.tl, self.fifo, self.rec, self.result, self.seq = g, tl, fifo, rec, result, seq
+        self.meta_out = self.meta_rows = self.mine = self.lazy = self.post = None
+        self.meta_done = False
+        self.data_done: float | None = None
+        self.resolved = False
+        self.error: BaseException | None = None
+        self.completion: float | None = None
+        self.scheduled = threading.Event()
+        self.meta_event = threading.Event()
+        self.future: torch.futures.Future | None = None
+        self._base: torch.futures.Future | None = None
+        self._lock = threading.Lock()
+        self.meta_work = None
+        self.with_meta = False
+
+    # --- callbacks from gloo's threads (or inline when the work is already done) -----------------
+
+    def watch_meta(self, work) -> None:
+        """Take the meta exchange when ``work`` finishes."""
+        work.get_future().add_done_callback(self._on_meta)
+
+    def _on_meta(self, fut) -> None:
+        try:
+            fut.value()
+            self._take_meta(self.meta_out.view(self.g.k, _META).tolist())
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach Work.wait()
+            self.fail(exc)
+        self.meta_event.set()
+        self.advance()
+
+    def _on_all(self, fut) -> None:
+        """The meta (when ``with_meta``) and every data work are done."""
+        try:
+            for f in fut.value():
+                f.value()
+            if self.with_meta:
+                self._take_meta(self.meta_out.view(self.g.k, _META).tolist())
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach Work.wait()
+            self.fail(exc)
+        self.meta_event.set()
+        self.data_finished()
+
+    def _take_meta(self, rows: list[list[float]]) -> None:
+        mine = rows[self.g.me]
+        for r, row in zip(self.g.real_world, rows):
+            same = row[_OPC] == mine[_OPC] and row[_SEQ] == mine[_SEQ]
+            if same and self.rec.op is not Op.ALL_TO_ALL and self.rec.op is not Op.SEND_RECV:
+                same = row[_NBYTES] == mine[_NBYTES]
+            if not same:
+                raise RealRankError(
+                    f"nbox: real ranks diverged on {self.tl.name}: real rank {self.g.ctx.me} called "
+                    f"{_OPS[int(mine[_OPC])].value} #{int(mine[_SEQ])} of {int(mine[_NBYTES])} B, real rank {r} called "
+                    f"{_OPS[int(row[_OPC])].value} #{int(row[_SEQ])} of {int(row[_NBYTES])} B"
+                )
+        self.meta_rows = rows
+        self.meta_done = True
+
+    def data_finished(self) -> None:
+        """Every data work is done: run the post-processing (mirror copies), note the time, advance."""
+        if self.post is not None and self.error is None:
+            try:
+                _no_grad_call(self.post)
+            except BaseException as exc:  # noqa: BLE001
+                self.fail(exc)
+        self.data_done = clock()
+        self.advance()
+
+    def fail(self, exc: BaseException) -> None:
+        """Remember the first failure, worded for the user."""
+        if self.error is not None:
+            return
+        if isinstance(exc, RealRankError):
+            self.error = exc
+            return
+        rec = self.rec
+        self.error = RealRankError(
+            f"nbox: {rec.op.value} #{self.seq} on {rec.comm} (real ranks {self.g.real_world}) failed on real rank "
+            f"{self.g.ctx.me}: {self.g.describe_peers()}: {type(exc).__name__}: {str(exc).strip()[:400]}"
+        )
+        self.error.__cause__ = exc
+
+    # --- FIFO resolution ---------------------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Resolve (start, end) and schedule completions of this timeline's ops, in FIFO order."""
+        fifo = self.fifo
+        fire: list[HybridOp] = []
+        with fifo.lock:
+            while fifo.unresolved and (fifo.unresolved[0].meta_done or fifo.unresolved[0].error is not None):
+                fifo.unresolved.popleft()._resolve()
+            while fifo.uncompleted:
+                h = fifo.uncompleted[0]
+                if h.error is None and not (h.resolved and h.data_done is not None):
+                    break
+                fifo.uncompleted.popleft()
+                if h.error is None:
+                    h.completion = max(h.rec.end, h.data_done, fifo.last_completion)
+                    fifo.last_completion = h.completion
+                else:
+                    h.completion = clock()
+                fire.append(h)
+        for h in fire:
+            h._schedule()
+
+    def _resolve(self) -> None:
+        # Called in FIFO order under the fifo lock: the timeline's last_end is op i-1's end.
+        self.resolved = True
+        if self.error is not None:
+            return
+        rec, tl, off = self.rec, self.tl, self.g.shared_offset
+        arrival = max(row[_ARRIVAL] for row in self.meta_rows) - off
+        nbytes = int(max(row[_NBYTES] for row in self.meta_rows))
+        if nbytes != rec.nbytes:  # uneven all-to-all: the model sees the largest buffer
+            rec.nbytes = nbytes
+            rec.duration, rec.algorithm = tl.estimate(rec.op, nbytes, rec.root)
+        tl.place(rec, arrival)
+
+    def _schedule(self) -> None:
+        self.scheduled.set()
+        with self._lock:
+            base = self._base
+        if base is not None:
+            self._arm(base)
+
+    def _arm(self, base: torch.futures.Future) -> None:
+        if self.error is not None:
+            base.set_result(None)  # the child future (``get_future``) raises the error
+            return
+        rec = self.rec
+
+        def complete(now: float) -> None:
+            if rec.completed is None:
+                rec.completed = now
+            base.set_result(None)
+
+        if clock() >= self.completion:
+            complete(clock())
+        else:
+            self.g.ctx.emu.waker.at(self.completion, complete)
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed at this rank's completion instant (or with the failure)."""
+        if self.lazy is not None:
+            raise UnsupportedCollective("nbox: send/recv between two real ranks has no future (as with gloo): "
+                                        "call wait() on the work")
+        with self._lock:
+            if self.future is not None:
+                return self.future
+            # DDP's reducer crashes (torch 2.13) on a future failed with set_exception from Python;
+            # an error raised in a then-callback reaches it as a clean exception.
+            self._base = base = torch.futures.Future()
+            self.future = base.then(self._outcome)
+            armed = self.scheduled.is_set()
+        if armed:
+            self._arm(base)
+        return self.future
+
+    def _outcome(self, _base):
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    # --- waiting in the caller ----------------------------------------------------------------------
+
+    def run_lazy(self, timeout: float | None) -> None:
+        """p2p: wait for the gloo send/recv works (no futures), then resolve like the callbacks would."""
+        if self.lazy is None or self.data_done is not None:
+            return
+        # FIFO: earlier p2p ops of this direction resolve first.
+        with self.fifo.lock:
+            before = list(self.fifo.unresolved)
+        for h in before:
+            if h is self:
+                break
+            h.run_lazy(timeout)
+        works, self.lazy = self.lazy, []
+        try:
+            for w in works:
+                w.wait(datetime.timedelta(seconds=timeout)) if timeout else w.wait()
+            row = self.meta_out.tolist()
+            mine = self.mine.tolist()
+            if row[_OPC] != mine[_OPC]:
+                raise RealRankError(f"nbox: real ranks diverged on {self.tl.name}: op #{self.seq} is "
+                                    f"{_OPS[int(mine[_OPC])].value} here and {_OPS[int(row[_OPC])].value} at the peer")
+            self.meta_rows = [mine, row]
+            self.meta_done = True
+            if self.post is not None:
+                _no_grad_call(self.post)
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)
+        self.data_done = clock()
+        self.advance()
+
+    def wait(self, timeout: float | None) -> None:
+        """Block until this rank's completion instant; raise the failure if there is one."""
+        rec = self.rec
+        now = clock()
+        limit = self.g.ctx.timeout + 30.0  # gloo's own timeout (NBOX_REAL_TIMEOUT) fires first
+        if timeout:
+            limit = min(limit, timeout)
+        if self.lazy is not None:
+            self.run_lazy(limit)
+        if not self.scheduled.wait(limit):
+            rec.wait += clock() - now
+            raise RealRankError(
+                f"nbox: {rec.op.value} #{self.seq} on {rec.comm} did not complete within {limit:g}s on real rank "
+                f"{self.g.ctx.me}: {self.g.describe_peers()}"
+            )
+        if self.error is not None:
+            rec.wait += clock() - now
+            self.g.abort()
+            raise self.error
+        if clock() < self.completion:
+            tune_thread_timer_slack()
+            sleep_until(self.completion)
+        after = clock()
+        rec.wait += after - now
+        if rec.completed is None:
+            rec.completed = after
+
+
+class HybridWork(NboxWork):
+    """The Work of a hybrid op: completes at this rank's completion instant, or raises the real ranks' failure."""
+
+    def __init__(self, h: HybridOp):
+        super().__init__(h.rec, h.result, h.g.ctx.emu)
+        self._h = h
+
+    @property
+    def hybrid(self) -> HybridOp:
+        """The hybrid op behind this work."""
+        return self._h
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Sleep until the completion instant (raises if a real rank failed)."""
+        if not self._done:
+            self._h.wait(timeout.total_seconds() if timeout else None)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the completion instant has passed (or the op failed)."""
+        h = self._h
+        if h.lazy:
+            if not all(w.is_completed() for w in h.lazy):
+                return False
+            h.run_lazy(None)
+        if not h.scheduled.is_set():
+            return False
+        return h.error is not None or clock() >= h.completion
+
+    def is_success(self) -> bool:
+        """False once a real rank failed."""
+        return self._h.error is None
+
+    def exception(self):
+        """The failure, if any."""
+        return self._h.error
+
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes at the completion instant with the outputs (or the failure)."""
+        if self._future is None:
+            self._future = self._h.get_future()
+        return self._future
+
+
+# --- the data rules (CPU: gloo) --------------------------------------------------------------------
+
+
+def _base_op(op) -> "dist.ReduceOp":
+    """The reduction the real ranks run after each one pre-reduced its own copies."""
+    kind = op.op
+    if kind in (_RedOp.SUM, _RedOp.AVG, _RedOp.PREMUL_SUM):
+        return dist.ReduceOp.SUM
+    return dist.ReduceOp(kind)
+
+
+def _pre_reduce(t: torch.Tensor, op, c: int, n: int) -> bool:
+    """Fold this real rank's ``c`` mirrored copies into ``t``; returns whether an integer AVG still needs ``// n``."""
+    if op.op == _RedOp.AVG:
+        if t.is_floating_point() or t.is_complex():
+            t.mul_(c / n)
+            return False
+        if c != 1:
+            t.mul_(c)
+        return True
+    if op.op == _RedOp.SUM and t.dtype == torch.bool:
+        return False
+    _reduce_inplace(t, op, c)
+    return False
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _opts(cls, **fields):
+    o = cls()
+    for k, v in fields.items():
+        setattr(o, k, v)
+    return o
+
+
+class GlooRules:
+    """The hybrid version of each collective on CPU tensors (the methods mirror ``NboxProcessGroup``'s)."""
+
+    def __init__(self, g: HybridGroup):
+        self.g = g
+
+    def allreduce(self, pg, tensors, op) -> HybridWork:
+        g = self.g
+        h = g.start(pg.timeline, Op.ALL_REDUCE, _nbytes(tensors), 0, tensors)
+        c, base = g.counts[g.me], _base_op(op)
+        works, fixups = [], []
+        with torch.no_grad():
+            for t in tensors:
+                buf = _contig(t)
+                divide = _pre_reduce(buf, op, c, g.n)
+                works.append(g.data.allreduce([buf], _opts(dist.AllreduceOptions, reduceOp=base)))
+                if buf is not t or divide:
+                    fixups.append((t, buf, divide))
+
+        def post():
+            for t, buf, divide in fixups:
+                if divide:
+                    buf.div_(g.n, rounding_mode="trunc")
+                if buf is not t:
+                    t.copy_(buf)
+
+        return g.finish(h, works, post if fixups else None)
+
+    def broadcast(self, pg, tensors, root: int) -> HybridWork:
+        g = self.g
+        h, agreed = g.rooted(pg.timeline, Op.BROADCAST, _nbytes(tensors), root, tensors)
+        if agreed is None:
+            return g.finish(h, [])
+        rr = g.mirror[agreed]  # an emulated root holds what its mirror holds
+        works, fixups = [], []
+        for t in tensors:
+            buf = _contig(t)
+            works.append(g.data.broadcast([buf], _opts(dist.BroadcastOptions, rootRank=rr, rootTensor=0)))
+            if buf is not t:
+                fixups.append((t, buf))
+        return g.finish(h, works, (lambda: [t.copy_(b) for t, b in fixups]) if fixups else None)
+
+    def reduce(self, pg, tensors, op, root: int) -> HybridWork:
+        g = self.g
+        h, agreed = g.rooted(pg.timeline, Op.REDUCE, _nbytes(tensors), root, tensors)
+        if agreed is None:
+            with torch.no_grad():
+                for t in tensors:
+                    _reduce_inplace(t, op, g.n)
+            return g.finish(h, [])
+        rr, at_root = g.mirror[agreed], agreed == g.members[g.me]
+        c, base = g.counts[g.me], _base_op(op)
+        works, fixups = [], []
+        with torch.no_grad():
+            for t in tensors:
+                # Only a real root's buffer changes; the others (and an emulated root's mirror) reduce a scratch copy.
+                buf = _contig(t) if at_root else t.detach().clone(memory_format=torch.contiguous_format)
+                divide = _pre_reduce(buf, op, c, g.n)
+                works.append(g.data.reduce([buf], _opts(dist.ReduceOptions, rootRank=rr, rootTensor=0, reduceOp=base)))
+                if at_root and (buf is not t or divide):
+                    fixups.append((t, buf, divide))
+
+        def post():
+            for t, buf, divide in fixups:
+                if divide:
+                    buf.div_(g.n, rounding_mode="trunc")
+                if buf is not t:
+                    t.copy_(buf)
+
+        return g.finish(h, works, post if fixups else None)
+
+    def allgather(self, pg, output_lists, inputs, coalesced: bool) -> HybridWork:
+        """``coalesced``: output_lists[i][j] is member i's input j (else output_lists[t][j] is member j's input t)."""
+        g = self.g
+        outs_flat = [o for outs in output_lists for o in outs]
+        h = g.start(pg.timeline, Op.ALL_GATHER, _nbytes(outs_flat), 0, output_lists)
+        bufs, works = [], []
+        for x in inputs:
+            buf = x.new_empty((g.k,) + tuple(x.shape))
+            works.append(g.data._allgather_base(buf.view(-1), _contig(x).view(-1)))
+            bufs.append(buf)
+
+        def post():
+            for t, buf in enumerate(bufs):
+                for j in range(g.n):
+                    dst = output_lists[j][t] if coalesced else output_lists[t][j]
+                    dst.copy_(buf[g.mirror[j]])
+
+        return g.finish(h, works, post)
+
+    def all_gather_single(self, pg, outputs, inputs) -> HybridWork:
+        g = self.g
+        h = g.start(pg.timeline, Op.ALL_GATHER, _nbytes(outputs), 0, list(outputs))
+        bufs, works = [], []
+        for x in inputs:
+            buf = x.new_empty((g.k, x.numel()))
+            works.append(g.data._allgather_base(buf.view(-1), _contig(x).view(-1)))
+            bufs.append(buf)
+
+        def post():
+            for out, buf in zip(outputs, bufs):
+                rows = buf.index_select(0, g.mirror_index(buf.device))
+                if out.is_contiguous():
+                    out.view(g.n, -1).copy_(rows)
+                else:
+                    out.copy_(rows.reshape(out.shape))
+
+        return g.finish(h, works, post)
+
+    def _reduce_scatter(self, pg, outputs, stacks, nbytes: int, op) -> HybridWork:
+        # stacks[t]: this rank's k chunks (one per real member, in order), already copied; reduced into outputs[t].
+        g = self.g
+        h = g.start(pg.timeline, Op.REDUCE_SCATTER, nbytes, 0, list(outputs))
+        c, base = g.counts[g.me], _base_op(op)
+        works, fixups = [], []
+        with torch.no_grad():
+            for y, stack in zip(outputs, stacks):
+                divide = _pre_reduce(stack, op, c, g.n)
+                # gloo's reduce-scatter has no future: all-reduce the k chunks and keep ours.
+                works.append(g.data.allreduce([stack], _opts(dist.AllreduceOptions, reduceOp=base)))
+                fixups.append((y, stack, divide))
+
+        def post():
+            for y, stack, divide in fixups:
+                mine = stack[g.me]
+                if divide:
+                    mine = mine.div(g.n, rounding_mode="trunc")
+                y.copy_(mine.reshape(y.shape))
+
+        return g.finish(h, works, post)
+
+    def reduce_scatter(self, pg, output_tensors, input_lists, op) -> HybridWork:
+        g = self.g
+        ins_flat = [x for xs in input_lists for x in xs]
+        with torch.no_grad():
+            stacks = [torch.stack([xs[j].reshape(y.shape) for j in g.members])
+                      for y, xs in zip(output_tensors, input_lists)]
+        return self._reduce_scatter(pg, list(output_tensors), stacks, _nbytes(ins_flat), op)
+
+    def reduce_scatter_single(self, pg, outputs, inputs, op) -> HybridWork:
+        g = self.g
+        with torch.no_grad():
+            stacks = [x.reshape(g.n, -1).index_select(0, _members_index(g, x.device)) for x in inputs]
+        return self._reduce_scatter(pg, list(outputs), stacks, _nbytes(inputs), op)
+
+    def alltoall(self, pg, output_tensors, input_tensors) -> HybridWork:
+        g = self.g
+        h = g.start(pg.timeline, Op.ALL_TO_ALL, _nbytes(input_tensors), 0, list(output_tensors))
+        send = torch.cat([input_tensors[j].reshape(-1) for j in g.members])
+        in_splits = [input_tensors[j].numel() for j in g.members]
+        out_splits = [output_tensors[j].numel() for j in g.members]
+        recv = send.new_empty(sum(out_splits))
+        works = [g.data.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())]
+
+        def post():
+            chunks = recv.split(out_splits)
+            for j, o in enumerate(output_tensors):
+                _fit_copy(o, chunks[g.mirror[j]])
+
+        return g.finish(h, works, post)
+
+    def all_to_all_single(self, pg, output, input, output_split_sizes, input_split_sizes) -> HybridWork:  # noqa: A002
+        g = self.g
+        n = g.n
+        h = g.start(pg.timeline, Op.ALL_TO_ALL, _nbytes([input]), 0, [output])
+        in_splits, in_off = _split_offsets(input.shape[0], input_split_sizes, n)
+        out_splits, out_off = _split_offsets(output.shape[0], output_split_sizes, n)
+        in_row = input[0].numel() if input.shape[0] else max(1, input.numel())
+        out_row = output[0].numel() if output.shape[0] else max(1, output.numel())
+        send = torch.cat([input.narrow(0, in_off[j], in_splits[j]).reshape(-1) for j in g.members])
+        send_counts = [in_splits[j] * in_row for j in g.members]
+        recv_counts = [out_splits[j] * out_row for j in g.members]
+        recv = send.new_empty(sum(recv_counts))
+        works = [g.data.alltoall_base(recv, send, recv_counts, send_counts, dist.AllToAllOptions())]
+
+        def post():
+            chunks = recv.split(recv_counts)
+            for j in range(n):
+                _fit_copy(output.narrow(0, out_off[j], out_splits[j]), chunks[g.mirror[j]])
+
+        return g.finish(h, works, post)
+
+    def gather(self, pg, output_tensors, input_tensors, root: int) -> HybridWork:
+        g = self.g
+        h, agreed = g.rooted(pg.timeline, Op.GATHER, g.n * _nbytes(input_tensors), root, output_tensors)
+        me_group = g.members[g.me]
+        if agreed is None:
+            with torch.no_grad():
+                for outs, x in zip(output_tensors, input_tensors):
+                    for o in outs:
+                        if o.data_ptr() != x.data_ptr():
+                            o.copy_(x)
+            return g.finish(h, [])
+        rr = g.mirror[agreed]
+        works, bufs = [], []
+        for x in input_tensors:
+            xc = _contig(x)
+            if rr == g.me:
+                buf = [torch.empty_like(xc) for _ in range(g.k)]
+                works.append(g.data.gather([buf], [xc], _opts(dist.GatherOptions, rootRank=rr)))
+                bufs.append(buf)
+            else:
+                works.append(g.data.gather([], [xc], _opts(dist.GatherOptions, rootRank=rr)))
+
+        def post():
+            if agreed != me_group:  # an emulated root's mirror received for nobody
+                return
+            for outs, buf in zip(output_tensors, bufs):
+                for j, o in enumerate(outs):
+                    o.copy_(buf[g.mirror[j]])
+
+        return g.finish(h, works, post)
+
+    def scatter(self, pg, output_tensors, input_tensors, root: int) -> HybridWork:
+        g = self.g
+        h, agreed = g.rooted(pg.timeline, Op.SCATTER, g.n * _nbytes(output_tensors), root, list(output_tensors))
+        me_group = g.members[g.me]
+        if agreed is None:  # every real rank its own root: the single-real rule, keep our slot
+            with torch.no_grad():
+                for y, xs in zip(output_tensors, input_tensors):
+                    if y.data_ptr() != xs[me_group].data_ptr():
+                        y.copy_(xs[me_group])
+            return g.finish(h, [])
+        if agreed not in g.members:  # an emulated root's list is held by no real rank: outputs stay as they are
+            return g.finish(h, [])
+        rr = g.mirror[agreed]
+        works, fixups = [], []
+        for t, y in enumerate(output_tensors):
+            buf = _contig(y)
+            lists = [[_contig(input_tensors[t][j]) for j in g.members]] if agreed == me_group else []
+            works.append(g.data.scatter([buf], lists, _opts(dist.ScatterOptions, rootRank=rr)))
+            if buf is not y:
+                fixups.append((y, buf))
+        return g.finish(h, works, (lambda: [y.copy_(b) for y, b in fixups]) if fixups else None)
+
+    def barrier(self, pg) -> HybridWork:
+        g = self.g
+        return g.finish(g.start(pg.timeline, Op.BARRIER, 0, 0, []), [])
+
+    def p2p(self, pg, tensors, peer: int, send: bool, tag: int) -> HybridWork:
+        """send/recv between two real members: real bytes over gloo, one FIFO timeline per direction."""
+        g = self.g
+        me_group = g.members[g.me]
+        src, dst = (me_group, peer) if send else (peer, me_group)
+        tl = g._p2p.get((src, dst))
+        if tl is None:
+            a, b = pg.global_ranks[src], pg.global_ranks[dst]
+            tl = g._p2p[(src, dst)] = pg._emu.new_timeline(Group(sorted((a, b))), kind="p2p")
+        root = 0 if pg.global_ranks[src] < pg.global_ranks[dst] else 1
+        peer_r = g.mirror[peer]
+        # Both metas of one op travel under the tag of its data direction, so the metas of a send
+        # and of a recv between the same two ranks never match each other (nor the user's tags).
+        h = g.start(tl, Op.SEND_RECV, _nbytes(tensors), root, tensors, p2p=(peer_r, _P2P_META_TAG + root))
+        works, fixups = [], []
+        for t in tensors:
+            buf = _contig(t)
+            if send:
+                works.append(g.data.send([buf], peer_r, tag))
+            else:
+                works.append(g.data.recv([buf], peer_r, tag))
+                if buf is not t:
+                    fixups.append((t, buf))
+        work = g.finish(h, works, (lambda: [t.copy_(b) for t, b in fixups]) if fixups else None)
+        work._source = peer
+        return work
+
+
+def _members_index(g: HybridGroup, device: torch.device) -> torch.Tensor:
+    return torch.tensor(g.members, dtype=torch.long, device=device)
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
