@@ -22,6 +22,9 @@ def run(
     command: List[str] = typer.Argument(None, help="The training command, after --, e.g. -- python train.py --epochs 1"),
     rank: Optional[int] = typer.Option(None, "--rank", help="Which rank is real (default: the topology's first real rank)."),
     model: Optional[str] = typer.Option(None, "-m", "--model", help="Delay model (default: the topology's)."),
+    profile: Optional[Path] = typer.Option(
+        None, "--profile", help="Calibration profile (nbox calibrate) over emulation.profile; selects model calibrated."
+    ),
     algorithm: Optional[str] = typer.Option(None, "-a", "--algorithm", help="Force an algorithm of the model."),
     inject: List[str] = INJECT,
     latency_scale: Optional[float] = LATENCY_SCALE,
@@ -39,6 +42,15 @@ def run(
     metrics_addr: Optional[str] = typer.Option(
         None, "--metrics-addr", help="Serve the real rank's Prometheus metrics on HOST:PORT (port 0: a free one)."
     ),
+    nproc_per_node: int = typer.Option(
+        1, "--nproc-per-node", help="Real ranks on this machine (torchrun's flag; CPU workers get a core each)."
+    ),
+    nnodes: str = typer.Option("1", "--nnodes", help="Real nodes (machines) taking part, each running nbox run."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This machine's node rank (static rendezvous)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous (node 0)."),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="c10d or static (torchrun's default)."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="The job id every node passes alike."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="Restarts of the worker group after a failure."),
 ) -> None:
     """Run a training command as the real rank of TOPOLOGY; the rest of the cluster is emulated."""
     from ..emu.runner import run_command
@@ -47,7 +59,10 @@ def run(
     from ..report.trace import write_trace
 
     topo = load(topology, inject, latency_scale, bandwidth_scale, straggler, world_size)
-    changes = {k: v for k, v in (("model", model), ("algorithm", algorithm)) if v is not None}
+    from ..model.calibrated import with_profile
+
+    topo = with_profile(topo, profile, model)
+    changes = {k: v for k, v in (("algorithm", algorithm),) if v is not None}
     if changes:
         topo = topo.with_changes(emulation=changes)
     create_model(topo)  # a bad model, algorithm or NCCL release fails here, before the script starts
@@ -61,16 +76,32 @@ def run(
     from ..metrics.progress import RunProgress
 
     extra_env = {"NBOX_METRICS_ADDR": metrics_addr} if metrics_addr else {}
+    from ..emu.elastic import LaunchOptions
+
+    launch = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id, max_restarts)
+    if launch.elastic() and rank is not None:
+        raise InputError("--rank: picks the one real rank; with --nproc-per-node/--nnodes the real ranks are the "
+                         "topology's emulation.real_ranks or the first K ranks of the first N nodes")
     with RunProgress(console, enabled=False if quiet else None):
-        result = run_command(topo, command or [], real, cluster=cluster, mode=mode, extra_env=extra_env)
+        if launch.elastic():
+            from ..emu.runner import run_real_ranks
+
+            result = run_real_ranks(topo, command or [], launch, cluster=cluster, mode=mode, extra_env=extra_env)
+        else:
+            result = run_command(topo, command or [], real, cluster=cluster, mode=mode, extra_env=extra_env)
     if result.record is None:
         console.print("[yellow]nbox: the command made no torch.distributed calls: nothing was emulated[/yellow]")
     else:
+        from ..report.run_summary import summarize_ranks
+
         meta = {"topology": topo.name, "file": str(topology), "command": list(command or [])}
-        rep = summarize(result.record, warmup, meta)
+        if len(result.records) > 1:  # several real ranks: each one's report, side by side
+            rep = summarize_ranks(result.records, warmup, meta)
+        else:
+            rep = summarize(result.record, warmup, meta)
         if report:
             report.write_text(json.dumps(rep, indent=2) + "\n", encoding="utf-8")
-        if trace:
+        if trace:  # with several real ranks: the first one's
             write_trace(rep, trace)
         if not quiet:
             for table in summary_tables(rep):
@@ -79,5 +110,8 @@ def run(
                 if path:
                     console.print(f"wrote {path}")
     if result.returncode != 0:
-        print(f"nbox: error: the command exited with status {result.returncode}", file=sys.stderr)
+        why = list(result.failures.values()) + ([result.error] if result.error else [])
+        if not launch.elastic() or not why:
+            why = [f"the command exited with status {result.returncode}"]
+        print(f"nbox: error: {'; '.join(why)}", file=sys.stderr)
         raise typer.Exit(1)

@@ -1,8 +1,11 @@
-"""The parent side of ``nbox run``: start the user's command as the real rank, wait, collect its record.
+"""The parent side of ``nbox run``: start the user's command as the real rank(s), wait, collect their records.
 
-The command runs unmodified in a child process whose environment is what torchrun would
-give the real rank, plus ``NBOX_TOPOLOGY`` (the effective topology, what-if flags merged) and
-a ``PYTHONPATH`` entry whose ``sitecustomize`` installs the nbox backend before user code runs.
+One real rank (``run_command``): the command runs unmodified in a child process whose
+environment is what torchrun would give the real rank, plus ``NBOX_TOPOLOGY`` (the effective
+topology, what-if flags merged) and a ``PYTHONPATH`` entry whose ``sitecustomize`` installs the
+nbox backend before user code runs. Several (``run_real_ranks``, ``--nproc-per-node``/``--nnodes``):
+torch's elastic agent starts the workers with the same environment, and each worker's
+``sitecustomize`` turns torchrun's values into the emulated world's (``elastic.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import signal
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,7 +26,7 @@ from ..topology import Topology
 from .emulator import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY
 from .launch import prepare_env
 
-__all__ = ["RunResult", "run_command", "AUTOSTART_DIR"]
+__all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent / "autostart"
 _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -31,10 +34,18 @@ _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 @dataclass
 class RunResult:
-    """How the command ended and what the real rank recorded (None if it never used torch.distributed)."""
+    """How the command ended and what the real ranks recorded.
+
+    ``record`` is the (first) real rank's record, None if it never used torch.distributed;
+    ``records`` holds every real rank's by world rank; ``failures`` says, by world rank, how each
+    failed real rank ended (one line each, the first failure first).
+    """
 
     returncode: int
     record: dict[str, Any] | None
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    error: str | None = None  # a launcher failure that no rank owns (the rendezvous)
 
 
 def child_env(topology_file: Path, topology: Topology, real_rank: int, record: Path, model: str | None) -> dict[str, str]:
@@ -82,7 +93,76 @@ def run_command(
             raise InputError(f"nbox run: command not executable: {command[0]!r}") from None
         rc = _wait(child)
         record = json.loads(record_file.read_text(encoding="utf-8")) if record_file.exists() else None
-    return RunResult(rc, record)
+    failures = {real_rank: f"real rank {real_rank} exited with status {rc}"} if rc else {}
+    return RunResult(rc, record, {real_rank: record} if record is not None else {}, failures)
+
+
+def run_real_ranks(
+    topology: Topology,
+    command: Sequence[str],
+    options,
+    model: str | None = None,
+    cluster: str | None = None,
+    mode: str = "model",
+    extra_env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run ``command`` as several real ranks through torch's elastic launcher (``options``: a LaunchOptions)."""
+    import contextlib
+
+    from .elastic import plan_launch, run_elastic
+
+    if not command:
+        raise InputError("nbox run: no command to run (usage: nbox run TOPOLOGY [OPTIONS] -- python train.py ARGS)")
+    if mode != "model":
+        raise InputError(
+            "--mode wire: not available with several real ranks (--nproc-per-node/--nnodes); use --mode model"
+        )
+    env = dict(os.environ)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", ENV_REAL_RANK, "NBOX_RECORD"):
+        env.pop(key, None)  # torch's agent sets the launch values; the worker turns them into the emulated ones
+    env.update(extra_env or {})
+    enter = contextlib.nullcontext()
+    node_addr = env.get("NBOX_NODE_ADDR")
+    plan = plan_launch(topology, options, node_addr)
+    if cluster:
+        node_addr, enter = _cluster_node(env, topology, plan.real_ranks, cluster)
+        plan = plan_launch(topology, options, node_addr)
+    with tempfile.TemporaryDirectory(prefix="nbox-run-") as tmp:
+        topo_file = Path(tmp) / "topology.yaml"
+        topo_file.write_text(yaml.safe_dump(_jsonable(topology.raw), sort_keys=False), encoding="utf-8")
+        env[ENV_TOPOLOGY] = str(topo_file)
+        if model:
+            env[ENV_MODEL] = model
+        paths = [str(AUTOSTART_DIR), str(_PACKAGE_PARENT)]
+        paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        with enter:
+            res = run_elastic(plan, command, env, Path(tmp))
+    first = res.records[min(res.records)] if res.records else None
+    return RunResult(res.returncode, first, res.records, res.failures, res.error)
+
+
+def _cluster_node(env: dict[str, str], topology: Topology, real_ranks: list[int], cluster: str):
+    """The node address and the namespace to launch in, for real ranks that all live on one node of ``cluster``."""
+    import contextlib
+
+    from ..cluster.netns import Namespace
+    from ..cluster.runtime import node_info, status
+
+    st = status(cluster)[0]
+    if st["phase"] != "up" or not st["healthy"]:
+        raise InputError(f"--cluster {cluster}: the cluster is not up and healthy (phase {st['phase']!r}); "
+                         "run `nbox up` first")
+    nodes = sorted({topology.node_of(r).name for r in real_ranks})
+    if len(nodes) > 1:
+        raise InputError(
+            f"--cluster {cluster}: the real ranks live on {len(nodes)} nodes ({', '.join(nodes)}); start one launcher "
+            "per node: nbox exec NODE -- nbox run ... --nnodes N --rdzv-endpoint NODE0_ADDR:PORT"
+        )
+    h = node_info(cluster, nodes[0])
+    env.update({"NBOX_CLUSTER": cluster, "NBOX_NODE": h["node"], "NBOX_NODE_ADDR": h["address"]})
+    # The agent, its store and the workers it starts all live in the node's namespace.
+    return h["address"], (Namespace(h["ns"]).entered() if h.get("ns") else contextlib.nullcontext())
 
 
 def _cluster_hook(env: dict[str, str], topology: Topology, real_rank: int, cluster: str, mode: str):

@@ -20,7 +20,7 @@ from rich.table import Table
 from ..stats import percentile
 from ..units import format_duration, format_size
 
-__all__ = ["summarize", "summary_tables"]
+__all__ = ["summarize", "summarize_ranks", "summary_tables"]
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -95,12 +95,67 @@ def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str,
     }
 
 
+def summarize_ranks(
+    records: dict[int, dict[str, Any]], warmup: int | None = None, meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The report of several real ranks: each one's under ``ranks`` (by world rank), and the spread of medians.
+
+    The top level is the first real rank's report, so whatever reads a one-rank report (``nbox
+    report``, the trace, the plots) reads this one as the first real rank's.
+    """
+    ranks = {r: summarize(records[r], warmup, None) for r in sorted(records)}
+    medians = {r: rep["iteration_time"].get("median") for r, rep in ranks.items()}
+    known = [m for m in medians.values() if m is not None]
+    spread: dict[str, Any] = {"medians": {str(r): m for r, m in medians.items()}}
+    if known:
+        lo, hi = min(known), max(known)
+        spread.update(min=lo, max=hi, relative=(hi - lo) / lo if lo > 0 else 0.0)
+    first = ranks[min(ranks)] if ranks else {}
+    return {
+        **(meta or {}),
+        **first,
+        "real_ranks": sorted(ranks),
+        "iteration_time_spread": spread,
+        "ranks": {str(r): rep for r, rep in ranks.items()},
+    }
+
+
+def _rank_tables(report: dict[str, Any]) -> list[Table]:
+    """The exit summary of several real ranks: the run, one row per real rank, the first rank's collectives."""
+    ranks = report["ranks"]
+    t = Table(title="nbox run", show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    if report.get("topology"):
+        t.add_row("topology", f"{report['topology']} ({report.get('file', '')})")
+    real = report["real_ranks"]
+    listed = ", ".join(map(str, real))
+    t.add_row("world", f"{report['world_size']} ranks, {len(real)} real ({listed}), model {report['model']}")
+    sp = report["iteration_time_spread"]
+    if "relative" in sp:
+        t.add_row("iteration time",
+                  f"medians {_t(sp['min'])} - {_t(sp['max'])} across real ranks, spread {sp['relative']:.2%}")
+    per = Table(title="real ranks (measured iterations)", title_justify="left")
+    for col in ("rank", "iterations", "median", "p95", "mean", "in collectives", "exposed"):
+        per.add_column(col, justify="right")
+    for r, rep in ranks.items():
+        it, comm = rep["iteration_time"], rep["comm_modeled_per_iteration"]
+        per.add_row(
+            r, f"{it.get('count', 0)} of {len(rep['iterations'])}", _t(it.get("median")), _t(it.get("p95")),
+            _t(it.get("mean")), _t(comm.get("median")), f"{rep['exposed_ratio']:.1%}",
+        )
+    first = ranks[str(real[0])] if real else None
+    return [t, per] + (summary_tables(first)[1:] if first else [])
+
+
 def _t(seconds: float | None) -> str:
     return "-" if seconds is None or seconds != seconds else format_duration(seconds)
 
 
 def summary_tables(report: dict[str, Any]) -> list[Table]:
-    """The exit summary as rich tables: the run, then one row per collective type."""
+    """The exit summary as rich tables: the run, then one row per collective type (per real rank first, if several)."""
+    if "ranks" in report:
+        return _rank_tables(report)
     it, comm, exp = report["iteration_time"], report["comm_modeled_per_iteration"], report["exposed_per_iteration"]
     t = Table(title="nbox run", show_header=False, title_justify="left")
     t.add_column("what", style="bold")

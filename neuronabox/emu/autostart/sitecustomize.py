@@ -23,10 +23,19 @@ def _chain_shadowed_sitecustomize() -> None:
 
 if os.environ.get("NBOX_TOPOLOGY"):
     try:
+        from neuronabox.emu.elastic import apply_worker_env
         from neuronabox.emu.launch import autostart
     except ImportError as exc:  # another Python than the one nbox is installed in
         sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load neuronabox ({exc}); "
                          "run the command with the Python that has nbox and torch\n")
     else:
+        try:
+            # A worker of torch's elastic agent (nbox run --nproc-per-node/--nnodes): torchrun's
+            # environment becomes the emulated world's before anything reads it.
+            apply_worker_env()
+        except Exception as exc:  # site.py would print a warning and run the script untranslated
+            sys.stderr.write(f"{exc}\n")
+            sys.stderr.flush()
+            os._exit(1)  # SystemExit here is a "Fatal Python error" of site.py
         autostart()
 _chain_shadowed_sitecustomize()
