@@ -1,20 +1,31 @@
 """Fidelity table: 2-rank DDP, real system vs emulated (model mode after calibration, and wire mode), per model and network.
 
+The command for the record (as root, on a quiet machine: nothing else running; about 20-25 min
+on the 2-core development machine):
+
+    .venv/bin/python benchmarks/fidelity_table.py
+
+It writes ``benchmarks/results/fidelity_table.md`` and ``.json`` (date, machine, load
+average before and after, the command). Other forms:
+
+    .venv/bin/python benchmarks/fidelity_table.py --quick   # smoke run of every cell: 2 repeats, 10 steps (~8 min)
+    .venv/bin/python benchmarks/fidelity_table.py --networks 10Gbit-10us --models cnn --modes model --repeats 2 \
+        --out /tmp/cell.md                                   # one cell
+    .venv/bin/python benchmarks/fidelity_table.py --render benchmarks/results/fidelity_table.json
+                                                             # rewrite the Markdown from a run's JSON
+
 For each network (100 Mbit/s 1 ms, 1 Gbit/s 100 us, 10 Gbit/s 10 us) a 2-node netns cluster
 comes up once; ``nbox calibrate`` measures gloo's all-reduce and broadcast on it (what DDP
-uses) and fits the profile; then ``nbox validate`` runs each workload (MLP, small CNN, small
-transformer from ``examples/fidelity_models.py``) as the real system and emulated with the
-``calibrated`` model (and in wire mode where ``nbox run --mode wire`` exists), interleaved
-and repeated. Writes ``benchmarks/results/fidelity_table.md`` (and ``.json``) with the
-command that produced it.
+uses), fits the profile, and names it in the cell's topology file (``emulation.profile``, as
+``nbox calibrate --write-topology`` does); then ``nbox validate`` runs each workload (MLP,
+small CNN, small transformer from ``examples/fidelity_models.py``) as the real system and
+emulated with the ``calibrated`` model (and in wire mode), interleaved and repeated, with
+the load twin on (``--no-twin`` turns it off): both real ranks share this machine, so during
+each emulated run the other rank runs too, as its own ``nbox run`` pinned to its core.
 
-The real system is noisy on a 2-core machine (DESIGN.md, "This machine"); a measurement for
-the record needs a quiet machine: nothing else running, default repeats or more.
-
-    python benchmarks/fidelity_table.py                 # the full table (about 20 min on a quiet machine)
-    python benchmarks/fidelity_table.py --quick         # smoke run of every cell: 2 repeats, 10 steps
-    python benchmarks/fidelity_table.py --render benchmarks/results/fidelity_table.json [--quick]
-                                                        # rewrite the Markdown from a run's JSON
+The real system is noisy on a 2-core machine (DESIGN.md, "This machine"): each cell reports
+the real system's own run-to-run spread beside each error, and the verdict says when an error
+is within that spread.
 """
 
 from __future__ import annotations
@@ -54,6 +65,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of each run")
     p.add_argument("--modes", default="model,wire")
     p.add_argument("--calibrate-sizes", default="4B:64MiB")
+    p.add_argument("--no-twin", dest="twin", action="store_false",
+                   help="no load twin (for a real system on separate machines; here it measures the sharing, not the emulator)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 10 steps, 3 warm-up, small calibration")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fidelity_table.md")
     p.add_argument("--render", type=Path, help="only rewrite the Markdown from this JSON (written by an earlier run)")
@@ -62,16 +75,24 @@ def main() -> int:
         args.repeats, args.steps, args.warmup, args.calibrate_sizes = 2, 10, 3, "4B:16MiB"
     if args.render:
         doc = json.loads(args.render.read_text())
+        args.twin = False  # a JSON from before the load twin existed says nothing about it
         for k, v in doc.get("args", {}).items():
             setattr(args, k, v)
-        write(args, doc["rows"], doc.get("modes", ["model", "wire"]), doc["command"], doc["seconds"])
+        write(args, doc["rows"], doc.get("modes", ["model", "wire"]), doc["command"], doc["seconds"], doc.get("machine"))
         return 0
     if os.geteuid() != 0:
         print("fidelity_table: needs root (the real system runs in network namespaces)", file=sys.stderr)
         return 2
 
     from neuronabox.cluster import runtime as rt
-    from neuronabox.fidelity.calibrate import default_sizes, parse_ops, parse_size_range, run_calibration, save_profile
+    from neuronabox.fidelity.calibrate import (
+        default_sizes,
+        parse_ops,
+        parse_size_range,
+        run_calibration,
+        save_profile,
+        write_profile_field,
+    )
     from neuronabox.fidelity.validate import run_validation
     from neuronabox.topology import load_topology
 
@@ -80,6 +101,7 @@ def main() -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     script = ROOT / "examples" / "fidelity_models.py"
     rows, t_all = [], time.perf_counter()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="nbox-fidelity-") as tmp:
         tmpd = Path(tmp)
         os.environ.setdefault("NBOX_STATE_DIR", str(tmpd / "state"))
@@ -96,6 +118,8 @@ def main() -> int:
                 profile = run_calibration(topo, parse_ops("all_reduce,broadcast"), default_sizes(lo, hi), cluster=name)
                 prof_file = tmpd / f"{key}.profile.json"
                 save_profile(profile, prof_file)
+                # The workflow a user follows: the topology names its profile (model calibrated by default).
+                write_profile_field(topo_file, prof_file)
                 ar = profile["ops"]["all_reduce"]
                 est = profile["link_estimate"]
                 print(f"[{key}] calibrated in {time.perf_counter() - t0:.0f} s: all-reduce {len(ar['segments'])} segments, "
@@ -103,15 +127,17 @@ def main() -> int:
                 for model in models:
                     cmd = [sys.executable, str(script), "--arch", model, "--steps", str(args.steps)]
                     v = run_validation(topo_file, cmd, warmup=args.warmup, repeats=args.repeats, tolerance=0.01,
-                                       modes=modes, model="calibrated", profile=prof_file, cluster=name,
+                                       modes=modes, cluster=name, twin=args.twin,
                                        progress=lambda m, k=key, mo=model: print(f"  [{k} {mo}] {m}", flush=True))
                     row = {"network": key, "workload": model, "iterations": v.iterations, "repeats": v.repeats,
+                           "model": v.model, "twin_ranks": v.twin_ranks,
                            "real_median_s": v.real.median_s, "real_p95_s": v.real.p95_s, "real_spread": v.real_spread,
                            "real_run_medians_s": v.real.run_medians_s,
                            "calibration": {"all_reduce_segments": ar["segments"], "rms_rel_error": ar["rms_rel_error"]}}
                     for m in v.modes:
                         row.setdefault("modes", {})[m.mode] = {"available": m.available, "why": m.why, "failed": m.failed, "median_s": m.median_s,
-                                       "p95_s": m.p95_s, "error": m.error, "run_medians_s": m.run_medians_s}
+                                       "p95_s": m.p95_s, "error": m.error, "run_medians_s": m.run_medians_s,
+                                       "verdict": m.verdict}
                     rows.append(row)
                     print(f"[{key} {model}] real {_ms(v.real.median_s)} ms (spread {_pct(v.real_spread, False)}), "
                           + ", ".join(f"{m.mode} {_ms(m.median_s)} ms ({_pct(m.error)})" for m in v.modes), flush=True)
@@ -119,8 +145,21 @@ def main() -> int:
                 if not up.already_up:
                     rt.down(name)
     command = "python benchmarks/fidelity_table.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write(args, rows, modes, command.strip(), time.perf_counter() - t_all)
+    write(args, rows, modes, command.strip(), time.perf_counter() - t_all, _machine(load_before, os.getloadavg()))
     return 0
+
+
+def _machine(load_before, load_after) -> dict:
+    """What the figures were measured on, and how busy it was (a loaded 2-core machine skews the real system)."""
+    import platform
+
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after]}
 
 
 def _ms(v) -> str:
@@ -131,51 +170,63 @@ def _pct(v, sign: bool = True) -> str:
     return "-" if v is None else (f"{v * 100:+.2f}%" if sign else f"{v * 100:.2f}%")
 
 
-def write(args, rows: list[dict], modes: list[str], command: str, seconds: float) -> None:
-    """The Markdown table (and the JSON beside it)."""
-    import torch
+def _error_cell(m: dict) -> str:
+    """Error of the median, marked when it is within the real system's own spread."""
+    if not m.get("available", True):
+        return f"n/a ({m.get('why', 'not run')})"
+    if m.get("failed") or m.get("median_s") is None:
+        return f"failed: {m.get('failed') or 'a run did not finish'}"
+    return _pct(m.get("error")) + (" ≈" if "within the real spread" in (m.get("verdict") or "") else "")
 
+
+def write(args, rows: list[dict], modes: list[str], command: str, seconds: float, machine: dict | None = None) -> None:
+    """The Markdown table (and the JSON beside it)."""
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    head = "| network | workload | real median (ms) | real spread | model median (ms) | model error |"
-    sep = "|---|---|---:|---:|---:|---:|"
-    if "wire" in modes:
-        head += " wire median (ms) | wire error |"
+    machine = machine or {}
+    head = "| network | workload | real median (ms) | real spread |"
+    sep = "|---|---|---:|---:|"
+    for mode in modes:
+        head += f" {mode} median (ms) | {mode} error |"
         sep += "---:|---:|"
+    twin = getattr(args, "twin", True)
     lines = [
         "# Fidelity: 2-rank DDP, real system vs NeuronaBox",
         "",
         f"Command: `{command}` (as root; {seconds / 60:.1f} min)",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, {os.cpu_count()} cores. "
+        f"{machine.get('date', 'date not recorded')}; machine: "
+        f"{machine.get('cpu', '?')}, {machine.get('cores', os.cpu_count())} cores, kernel {machine.get('kernel', '?')}, "
+        f"torch {machine.get('torch', '?')}; load average before {machine.get('loadavg_before', '?')}, "
+        f"after {machine.get('loadavg_after', '?')}.",
+        "",
         f"Each cell: {args.repeats} interleaved runs of each system, {args.steps} steps, the first {args.warmup} left out; "
         "medians over all measured iterations. Real: both ranks real, gloo over a tbf-shaped veth (delay by the user-space "
         "relay), each rank pinned to its own core. Model: rank 0 real under `nbox run`, rank 1 emulated by the `calibrated` "
-        "model (profile from `nbox calibrate` on the same cluster: all-reduce and broadcast). Wire: `nbox run --mode wire`. "
-        "Error = (emulated - real) / real median; real spread = (max - min) / median of the real runs' medians.",
+        "model (profile from `nbox calibrate` on the same cluster: all-reduce and broadcast, named by the topology's "
+        "`emulation.profile`). Wire: `nbox run --mode wire`. "
+        + ("Load twin on: during each emulated run, rank 1 also runs as its own `nbox run` (model mode) pinned to its core, "
+           "so rank 0 computes on a machine as busy as in the real system. " if twin else
+           "No load twin (`--no-twin`): the emulated rank 0 has the machine to itself. ")
+        + "Error = (emulated - real) / real median; real spread = (max - min) / median of the real runs' medians; "
+        "≈ marks an error within the real spread.",
         "",
         head,
         sep,
     ]
     for r in rows:
-        mo = r["modes"].get("model") or {}
-        line = (f"| {r['network']} | {r['workload']} | {_ms(r['real_median_s'])} | {_pct(r['real_spread'], False)} | "
-                f"{_ms(mo.get('median_s'))} | {_pct(mo.get('error'))} |")
-        if "wire" in modes:
-            w = r["modes"].get("wire") or {}
-            if not w.get("available"):
-                line += f" n/a | {w.get('why', 'not run')} |"
-            elif w.get("failed") or w.get("median_s") is None:
-                line += f" failed | {w.get('failed') or 'a run did not finish'} |"
-            else:
-                line += f" {_ms(w.get('median_s'))} | {_pct(w.get('error'))} |"
+        line = f"| {r['network']} | {r['workload']} | {_ms(r['real_median_s'])} | {_pct(r['real_spread'], False)} |"
+        for mode in modes:
+            m = r["modes"].get(mode) or {}
+            line += f" {_ms(m.get('median_s'))} | {_error_cell(m)} |"
         lines.append(line)
     if args.quick:
-        lines += ["", "**Smoke run (`--quick`) on a shared, busy machine: these figures show the script works, "
-                      "they are not a fidelity measurement. Run the full command on a quiet machine for the record.**"]
+        lines += ["", "**Smoke run (`--quick`): these figures show the script works, they are not a fidelity "
+                      "measurement. Run the full command on a quiet machine for the record.**"]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    keep = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "quick", "calibrate_sizes")}
-    doc = {"command": command, "seconds": seconds, "modes": modes, "args": keep, "rows": rows}
+    keep = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "quick", "calibrate_sizes", "twin")
+            if hasattr(args, k)}
+    doc = {"command": command, "seconds": seconds, "machine": machine, "modes": modes, "args": keep, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out} and {out.with_suffix('.json')}")
 

@@ -36,7 +36,7 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     out = tmp_path / "profile.json"
     before = leftovers(tmp_path / "state")
     r = run_nbox("calibrate", str(topo), "--ops", "all_reduce,broadcast", "--sizes", "4B:4MiB", "--max-op-time", "300ms",
-                 "--budget", "100ms", "--profile", str(out))
+                 "--budget", "100ms", "--profile", str(out), "--write-topology")
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
     est = doc["link_estimate"]
@@ -57,4 +57,11 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
         assert small >= 200e-6  # the relay's one-way delay is on gloo's path
     assert doc["topology"]["name"] == "cal100m" and doc["library"]["name"] == "gloo"
     assert "wrote" in r.stdout and "all_reduce" in r.stdout
+    # --write-topology: the file now names its profile (relative), and so uses model calibrated
+    assert "set emulation.profile: profile.json" in r.stdout
+    assert topo.read_text() == TOPO.replace("{library: gloo}", "{library: gloo, profile: profile.json}")
+    from neuronabox.topology import load_topology
+
+    t = load_topology(topo)
+    assert t.emulation.model == "calibrated" and t.emulation.profile == str(out.resolve())
     assert leftovers(tmp_path / "state") == before

@@ -20,6 +20,9 @@ def whatif(
     repeats: int = typer.Option(1, "--repeats", help="Runs per grid point (interleaved)."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Iterations left out of each run's statistics."),
     out: Path = typer.Option(Path("whatif-out"), "-o", "--out", help="Folder for the CSV, Markdown table and PNGs."),
+    profile: Optional[Path] = typer.Option(
+        None, "--profile", help="Calibration profile (nbox calibrate) over emulation.profile; selects model calibrated "
+        "(a model= knob still picks other models for its points)."),
 ) -> None:
     """Run the training command over a grid of what-if knobs; write a CSV, a Markdown table and plots."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -32,7 +35,9 @@ def whatif(
         raise InputError(f"--repeats: must be 1 or more, got {repeats}")
     if not command:
         raise InputError("nbox whatif: no command to run (usage: nbox whatif TOPOLOGY --sweep K=V,.. -- python train.py)")
-    base = load(topology)
+    from ..model.calibrated import with_profile
+
+    base = with_profile(load(topology), profile)
     knobs = [parse_sweep(s) for s in sweep]
     points = grid(knobs)
     with Progress(TextColumn("[bold]what-if"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -42,8 +47,12 @@ def whatif(
         def progress(done, total, point, _):
             bar.update(task, completed=done, description=", ".join(f"{k}={v}" for k, v in point.items()))
 
-        results = run_sweep(base, knobs, command, repeats, warmup, progress)
-    for path in write_outputs(results, knobs, out):
+        results = run_sweep(base, knobs, command, repeats, warmup, progress, profile=profile)
+    context = (f"{base.name}: {base.world_size} ranks, model {base.emulation.model}, "
+               f"{repeats} run{'s' if repeats > 1 else ''} per point; command: {' '.join(command)}")
+    if len(context) > 150:
+        context = context[:147] + "..."
+    for path in write_outputs(results, knobs, out, context):
         console.print(f"wrote {path}")
     console.print((out / "whatif.md").read_text())
 
@@ -58,11 +67,24 @@ def validate(
     tolerance: str = typer.Option("1%", "--tolerance", help="Largest |error| of the median that passes (1% or 0.01)."),
     modes: str = typer.Option("model,wire", "--modes", help="Emulated modes to compare: model, wire."),
     model: Optional[str] = typer.Option(None, "-m", "--model", help="Delay model of the emulated runs (default: the topology's)."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Calibration profile for the calibrated model (sets NBOX_PROFILE)."),
+    profile: Optional[Path] = typer.Option(
+        None, "--profile", help="Calibration profile (nbox calibrate) over emulation.profile; selects model calibrated."),
+    twin: bool = typer.Option(
+        True, "--twin/--no-twin",
+        help="Load twin (default on): during each emulated run, every other rank of the real system runs as its own "
+        "nbox run, pinned to that rank's core, so the measured rank computes on a machine as busy as in the real "
+        "system, whose ranks share this machine. --no-twin when the real ranks run on separate machines."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the error table and the raw iteration times here."),
     logs: Optional[Path] = typer.Option(None, "--logs", help="Keep every run's output in this folder."),
 ) -> None:
-    """Run the real system and the emulated one on the same shaped network; print the error table (exit 1 past --tolerance)."""
+    """Run the real system and the emulated one on the same shaped network; print the error table (exit 1 past --tolerance).
+
+    The real system's ranks share this machine, so by default each emulated run has a load twin:
+    the real system's other ranks run beside it (each its own nbox run, pinned to its core), and
+    the measured rank computes on a machine as busy as the real system's. The twin does not
+    reproduce the CPU the real system spends moving bytes. With the real ranks on separate
+    machines there is nothing to reproduce: --no-twin.
+    """
     import json
 
     from rich.table import Table
@@ -77,10 +99,11 @@ def validate(
         raise InputError(f"{topology}: no such topology file")
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
-                       keep_logs=logs)
+                       keep_logs=logs, twin=twin)
     rows = error_table(v)
+    twin_note = f", load twin rank(s) {','.join(map(str, v.twin_ranks))}" if v.twin_ranks else ", no load twin"
     t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "
-                    f"model {v.model}, tolerance {v.tolerance:.2%}", title_justify="left")
+                    f"model {v.model}{twin_note}, tolerance {v.tolerance:.2%}", title_justify="left")
     for i, col in enumerate(rows[0]):
         t.add_column(col, justify="left" if i in (0, 5) else "right")
     for r in rows[1:]:
@@ -103,11 +126,21 @@ def calibrate(
     profile: Optional[Path] = typer.Option(None, "--profile", help="Write the profile here (default: <topology>.profile.json)."),
     max_op_time: str = typer.Option("500ms", "--max-op-time", help="Stop an op's sweep after the first size slower than this."),
     budget: str = typer.Option("150ms", "--budget", help="Measuring time per size (at least 3 samples)."),
+    write_topology: bool = typer.Option(
+        False, "--write-topology", help="Set emulation.profile in the topology file to the new profile (other lines kept)."),
 ) -> None:
     """Measure the collectives on the real shaped links and fit a piecewise alpha-beta profile (model `calibrated`)."""
     from rich.table import Table
 
-    from ..fidelity.calibrate import default_sizes, parse_ops, parse_size_range, run_calibration, save_profile
+    from ..fidelity.calibrate import (
+        default_sizes,
+        parse_ops,
+        parse_size_range,
+        profile_reference,
+        run_calibration,
+        save_profile,
+        write_profile_field,
+    )
     from ..units import UnitError, format_duration, format_size, parse_duration
 
     lo, hi = parse_size_range(sizes)
@@ -137,3 +170,12 @@ def calibrate(
     for name, why in doc["unsupported"].items():
         console.print(f"[yellow]{name}: not measured ({why})[/yellow]")
     console.print(f"wrote {out}")
+    if write_topology:
+        ref = write_profile_field(topology, out)
+        console.print(f"set emulation.profile: {ref} in {topology}")
+    else:
+        ref = profile_reference(topology, out)
+        console.print(f"to use it, add under emulation: in {topology} (or pass --profile {out}):\n  profile: {ref}")
+    if topo.emulation.model != "calibrated" and "model" in (topo.raw.get("emulation") or {}):
+        console.print(f"[yellow]note: {topology} names model {topo.emulation.model}; the profile is read by model "
+                      "calibrated (set model: calibrated, or pass --profile to nbox run)[/yellow]")

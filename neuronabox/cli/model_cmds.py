@@ -83,6 +83,9 @@ def bench(
     stepfactor: float = typer.Option(2.0, "-f", "--stepfactor", help="Multiply the size by this each row."),
     stepbytes: Optional[str] = typer.Option(None, "-i", "--stepbytes", help="Add this to the size each row instead."),
     model: Optional[str] = typer.Option(None, "-m", "--model", help="Delay model (default: the topology's)."),
+    profile: Optional[Path] = typer.Option(
+        None, "--profile", help="Calibration profile (nbox calibrate) over emulation.profile; selects model calibrated."
+    ),
     algorithm: Optional[str] = typer.Option(None, "-a", "--algorithm", help="Force an algorithm."),
     protocol: Optional[str] = typer.Option(None, "-p", "--protocol", help="Force a protocol (nccl model)."),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="The communicator, e.g. 0-7,16 (default: every rank)."),
@@ -100,7 +103,9 @@ def bench(
     from ..model.registry import create_model
     from ..report.nccl_tests import format_table
 
-    topo = load(topology, inject, latency_scale, bandwidth_scale, (), world_size)
+    from ..model.calibrated import with_profile
+
+    topo = with_profile(load(topology, inject, latency_scale, bandwidth_scale, (), world_size), profile, model)
     try:
         ops = list(Op) if op == "all" else [Op.parse(op)]
     except ValueError as exc:

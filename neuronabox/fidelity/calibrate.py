@@ -54,6 +54,8 @@ __all__ = [
     "link_estimate",
     "save_profile",
     "load_profile",
+    "profile_reference",
+    "write_profile_field",
     "run_calibration",
 ]
 
@@ -416,6 +418,76 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"calibration profile {str(p)!r}: ops: {exc}") from None
     return doc
+
+
+def profile_reference(topology_file: Path, profile: Path) -> str:
+    """How the topology file should name ``profile``: relative to the file's folder (a path that moves with both)."""
+    import os.path
+
+    folder = Path(topology_file).resolve().parent
+    target = Path(profile).resolve()
+    rel = os.path.relpath(target, folder)
+    # Beyond the topology's folder tree an absolute path reads better than a chain of ../
+    return target.as_posix() if rel.startswith(".." + os.sep + "..") else Path(rel).as_posix()
+
+
+def write_profile_field(topology_file: Path, profile: Path) -> str:
+    """Set ``emulation.profile`` in the topology file, keeping its other lines (and comments) as they are.
+
+    Handles a missing ``emulation`` section, a block one and a one-line flow one
+    (``emulation: {library: gloo}``); anything else is left to the user (InputError naming the
+    line to add). The result is loaded back, and the original restored if it does not load.
+    Returns the value written.
+    """
+    import re
+
+    import yaml
+
+    from ..topology import load_topology
+
+    path = Path(topology_file)
+    ref = profile_reference(path, profile)
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    value = json.dumps(ref)  # a quoted YAML scalar: any path stays a string
+    hand = f"{path}: emulation.profile: add `profile: {value}` under `emulation:` by hand"
+    head = [i for i, ln in enumerate(lines) if re.match(r"^emulation\s*:", ln)]
+    if not head:
+        lines += ["emulation:", f"  profile: {value}"]
+    else:
+        i = head[0]
+        rest = lines[i].split(":", 1)[1]
+        body, _, comment = rest.partition(" #")
+        if body.strip().startswith("{") and body.strip().endswith("}"):
+            try:
+                mapping = yaml.safe_load(body) or {}
+            except yaml.YAMLError:
+                raise InputError(hand) from None
+            mapping["profile"] = ref
+            flow = yaml.safe_dump(mapping, default_flow_style=True, sort_keys=False, width=10**6).strip()
+            lines[i] = f"emulation: {flow}" + (f"  #{comment}" if comment else "")
+        elif not body.strip():
+            j = i + 1
+            block = []
+            while j < len(lines) and (not lines[j].strip() or lines[j][:1] in (" ", "\t") or lines[j].lstrip().startswith("#")):
+                block.append(j)
+                j += 1
+            indents = [len(lines[k]) - len(lines[k].lstrip()) for k in block if lines[k].strip() and not lines[k].lstrip().startswith("#")]
+            pad = " " * (min(indents) if indents else 2)
+            existing = [k for k in block if re.match(rf"^{pad}profile\s*:", lines[k])]
+            if existing:
+                lines[existing[0]] = f"{pad}profile: {value}"
+            else:
+                lines.insert(i + 1, f"{pad}profile: {value}")
+        else:
+            raise InputError(hand)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    try:
+        load_topology(path)
+    except InputError as exc:
+        path.write_text(text, encoding="utf-8")
+        raise InputError(f"{hand} (writing it made the file invalid: {exc})") from None
+    return ref
 
 
 # ---- measuring -------------------------------------------------------------------------------------------

@@ -11,6 +11,16 @@ The emulated system: the topology's real rank runs the same command under ``nbox
 model mode (and in wire mode through ``nbox run --cluster NAME --mode wire`` where that
 option exists), pinned to the core that rank had in the real system.
 
+The load twin: here the real system's ranks share this machine (its cores, caches, memory
+bandwidth), while a lone emulated rank would have the machine to itself, so the error would
+mix the emulator's communication fidelity with the reference's hardware sharing. During each
+emulated run every other rank of the real system also runs, as an independent ``nbox run``
+of the same command whose real rank is that rank (its own emulation, model mode), pinned to
+that rank's core and started at the same time; its figures are not reported. The twin
+reproduces the other ranks' compute load, not the CPU that the real system spends on moving
+bytes (gloo's threads, the kernel's TCP, the delay relay): that part stays in the error. On
+separate machines (the paper's setting) there is nothing to reproduce: ``twin=False``.
+
 This machine is noisy (see DESIGN.md, "This machine"): runs are interleaved (each repeat
 runs every mode once, in a rotated order, so drift hits all modes alike) and repeated, and
 the real system's own run-to-run spread is reported beside each error.
@@ -44,6 +54,7 @@ __all__ = [
     "wire_available",
     "cluster_for",
     "rank_cores",
+    "twin_ranks",
     "launch_real",
     "ModeResult",
     "Validation",
@@ -113,6 +124,12 @@ def rank_cores(world: int) -> list[int]:
     """The core each rank is pinned to: its own core while there are enough, round robin after."""
     cores = sorted(os.sched_getaffinity(0))
     return [cores[r % len(cores)] for r in range(world)]
+
+
+def twin_ranks(world: int, real_rank: int) -> list[tuple[int, int]]:
+    """The load twin: (rank, core) of every rank of the real system other than the emulated run's real rank."""
+    cores = rank_cores(world)
+    return [(r, cores[r]) for r in range(world) if r != real_rank]
 
 
 def _node_iface(plan: dict, ns: str) -> str:
@@ -263,31 +280,72 @@ def _end(p: subprocess.Popen) -> None:
 
 
 # ---- one run of each system -------------------------------------------------------------------------
+def _emulated_argv(topo_file: Path, command: Sequence[str], report: Path | None, model: str | None,
+                   profile: Path | None, *, mode: str = "model", cluster: str | None = None,
+                   rank: int | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "neuronabox.cli", "run", str(topo_file), "-q"]
+    if report is not None:
+        argv += ["--report", str(report)]
+    if rank is not None:
+        argv += ["--rank", str(rank)]
+    if model:
+        argv += ["-m", model]
+    if profile is not None:
+        argv += ["--profile", str(profile)]
+    if mode == "wire":
+        argv += ["--cluster", cluster or "", "--mode", "wire"]
+    return argv + ["--", *command]
+
+
 def _run_emulated(
     topo_file: Path, command: Sequence[str], mode: str, report: Path, core: int, cluster: str | None,
     model: str | None, profile: Path | None, log: Path | None, timeout: float = 900.0,
+    twins: Sequence[tuple[int, int]] = (), say: Callable[[str], None] = lambda m: None,
 ) -> int:
-    argv = [sys.executable, "-m", "neuronabox.cli", "run", str(topo_file), "-q", "--report", str(report)]
-    if model:
-        argv += ["-m", model]
-    if mode == "wire":
-        argv += ["--cluster", cluster or "", "--mode", "wire"]
-    argv += ["--", *command]
     env = {k: v for k, v in os.environ.items() if k not in ("NBOX_RECORD", "NBOX_RECORD_ONLY")}
-    if profile is not None:
-        env["NBOX_PROFILE"] = str(profile)
-    out = open(log, "wb") if log else subprocess.DEVNULL
+    outs, twin_procs = [], []
     try:
+        # The twins start first (each is an nbox run in model mode of its own rank, no report,
+        # no cluster), so that the measured rank never computes on an idle machine.
+        for rank, twin_core in twins:
+            tlog = log.with_name(f"{log.stem}-twin{rank}.log") if log else None
+            tout = open(tlog, "wb") if tlog else subprocess.DEVNULL
+            if tlog:
+                outs.append(tout)
+            argv = _emulated_argv(topo_file, command, None, model, profile, rank=rank)
+            twin_procs.append((rank, subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=tout,
+                                                      stderr=subprocess.STDOUT, preexec_fn=_preexec(None, twin_core))))
+        out = open(log, "wb") if log else subprocess.DEVNULL
+        if log:
+            outs.append(out)
+        argv = _emulated_argv(topo_file, command, report, model, profile, mode=mode, cluster=cluster)
         p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                              preexec_fn=_preexec(None, core))
+        t0 = time.monotonic()
         try:
-            return p.wait(timeout=timeout)
+            rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _end(p)
-            return 124
+            rc = 124
+        # A twin runs the same steps and ends about when the measured rank does; one that lags
+        # far behind only loads an idle machine now, so it is ended, and its status is a note.
+        grace = max(30.0, 0.5 * (time.monotonic() - t0))
+        for rank, tp in twin_procs:
+            try:
+                trc = tp.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _end(tp)
+                trc = 124
+            grace = 1.0
+            if trc != 0 and rc == 0:
+                say(f"note: load twin rank {rank} ended with status {trc}"
+                    + (f" (log {log.with_name(f'{log.stem}-twin{rank}.log')})" if log else ""))
+        return rc
     finally:
-        if log:
-            out.close()
+        for _, tp in twin_procs:
+            _end(tp)
+        for f in outs:
+            f.close()
 
 
 # ---- results ----------------------------------------------------------------------------------------
@@ -323,6 +381,7 @@ class Validation:
     model: str | None = None
     profile: str | None = None
     seconds: float = 0.0
+    twin_ranks: list[int] = field(default_factory=list)  # the load twin's ranks (empty: no twin)
 
     @property
     def passed(self) -> bool:
@@ -390,8 +449,14 @@ def run_validation(
     cluster: str | None = None,
     progress: Callable[[str], None] | None = None,
     keep_logs: Path | None = None,
+    twin: bool = True,
 ) -> Validation:
-    """Run the real and the emulated systems interleaved ``repeats`` times and compare their iteration times."""
+    """Run the real and the emulated systems interleaved ``repeats`` times and compare their iteration times.
+
+    ``twin``: run the load twin beside every emulated run (see the module's notes); turn it off
+    when the real system's ranks do not share one machine.
+    """
+    from ..model.calibrated import with_profile
     from ..model.registry import create_model
     from ..topology import load_topology
 
@@ -408,21 +473,12 @@ def run_validation(
     topo = load_topology(topology_file)
     if topo.emulation.library != "gloo":
         say(f"note: {topology_file} says library {topo.emulation.library}; the real system here runs gloo")
+    # A bad model or profile fails here, before any cluster exists; the emulated runs get the
+    # same flags (``nbox run --profile``), so they resolve the profile the same way.
+    effective = with_profile(topo, profile, model)
+    create_model(effective)
     if profile is not None:
-        if not Path(profile).is_file():
-            raise InputError(f"--profile: no such file {str(profile)!r}")
         profile = Path(profile).resolve()
-    # A bad model or profile fails here, before any cluster exists.
-    saved = os.environ.get("NBOX_PROFILE")
-    try:
-        if profile is not None:
-            os.environ["NBOX_PROFILE"] = str(profile)
-        create_model(topo.with_changes(emulation={"model": model}) if model else topo)
-    finally:
-        if saved is None:
-            os.environ.pop("NBOX_PROFILE", None)
-        else:
-            os.environ["NBOX_PROFILE"] = saved
     wire_ok, wire_why = wire_available()
     results = {m: ModeResult(m, *((True, "") if m == "model" else (wire_ok, wire_why))) for m in modes}
     real = ModeResult("real")
@@ -436,6 +492,10 @@ def run_validation(
         # The emulated run's real rank gets the core that rank had in the real system.
         real_rank = topo.emulation.real_ranks[0]
         core0 = rank_cores(topo.world_size)[real_rank]
+        twins = twin_ranks(topo.world_size, real_rank) if twin else []
+        if twins:
+            say(f"load twin: rank(s) {', '.join(str(r) for r, _ in twins)} run beside each emulated run "
+                f"(their own nbox run, pinned to core(s) {', '.join(str(c) for _, c in twins)})")
         systems = ["real"] + [m for m in modes if results[m].available]
         real_walls: list[float] = []
         runs = 0
@@ -471,7 +531,8 @@ def run_validation(
                     log = logs / f"{system}-{rep}.log"
                     # A hung emulated run (seen once in wire mode) must not stall the whole validation.
                     limit = max(120.0, 10 * max(real_walls, default=60.0))
-                    rc = _run_emulated(topology_file, command, system, rec, core0, up.name, model, profile, log, limit)
+                    rc = _run_emulated(topology_file, command, system, rec, core0, up.name, model, profile, log, limit,
+                                       twins=twins, say=lambda m, k=runs: say(f"[{k}] {m}"))
                     if rc != 0:
                         # The other modes still get their row; this one fails the validation.
                         tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
@@ -493,8 +554,9 @@ def run_validation(
     spread = compare(real, mode_list, tolerance)
     return Validation(
         topology=str(topology_file), command=list(command), iterations=n, warmup=warmup, repeats=repeats,
-        tolerance=tolerance, real=real, modes=mode_list, real_spread=spread, model=model or topo.emulation.model,
-        profile=str(profile) if profile else None, seconds=time.perf_counter() - t_start,
+        tolerance=tolerance, real=real, modes=mode_list, real_spread=spread, model=effective.emulation.model,
+        profile=effective.emulation.profile if effective.emulation.model == "calibrated" else None,
+        seconds=time.perf_counter() - t_start, twin_ranks=[r for r, _ in twins],
     )
 
 

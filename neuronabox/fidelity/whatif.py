@@ -123,9 +123,15 @@ def run_sweep(
     repeats: int = 1,
     warmup: int | None = None,
     progress: Callable[[int, int, dict[str, str], WhatIfResult | None], None] | None = None,
+    profile: Path | None = None,
 ) -> list[WhatIfResult]:
-    """Run the command at every grid point (repeats interleaved across the grid, so drift hits all points alike)."""
+    """Run the command at every grid point (repeats interleaved across the grid, so drift hits all points alike).
+
+    ``profile`` (``--profile``) applies to every point, those of a ``topology`` knob too; a
+    ``model`` knob still picks its model for its points (the profile serves the calibrated ones).
+    """
     from ..emu.runner import run_command
+    from ..model.calibrated import with_profile
     from ..model.registry import create_model
     from ..report.run_summary import summarize
 
@@ -133,6 +139,8 @@ def run_sweep(
     prepared = []
     for p in points:
         topo, model = apply_point(base, p)
+        if profile is not None and "topology" in p:
+            topo = with_profile(topo, profile)
         if model:
             topo = topo.with_changes(emulation={"model": model})
         create_model(topo)  # fail before running anything
@@ -175,8 +183,11 @@ def _numeric(value: str) -> float | None:
         return None
 
 
-def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path) -> list[Path]:
-    """CSV, Markdown table and one PNG per knob (iteration time and exposed communication versus the knob)."""
+def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path, context: str = "") -> list[Path]:
+    """CSV, Markdown table and one PNG per knob (iteration time and exposed communication versus the knob).
+
+    ``context`` (topology, world, model, runs per point) goes under each plot's title.
+    """
     out.mkdir(parents=True, exist_ok=True)
     names = [k.name for k in knobs]
     written = []
@@ -196,11 +207,11 @@ def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: P
                      f"{r.iteration_p95_s * 1e3:.2f} | {r.exposed_median_s * 1e3:.2f} | {r.comm_median_s * 1e3:.2f} |")
     md.write_text("\n".join(lines) + "\n")
     written.append(md)
-    written += _plots(results, knobs, out)
+    written += _plots(results, knobs, out, context)
     return written
 
 
-def _plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path) -> list[Path]:
+def _plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path, context: str = "") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,28 +224,48 @@ def _plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path) ->
         for r in results:
             series.setdefault(tuple(r.point[o] for o in others), []).append(r)
         numeric = all(_numeric(v) is not None for v in knob.values)
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-        for key, rs in series.items():
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        single = len(series) == 1
+        for n, (key, rs) in enumerate(series.items()):
+            color = colors[n % len(colors)]
             xs = [(_numeric(r.point[knob.name]) if numeric else i) for i, r in enumerate(rs)]
-            label = ", ".join(f"{o}={v}" for o, v in zip(others, key)) or None
-            ax1.plot(xs, [r.iteration_median_s * 1e3 for r in rs], "o-", label=label)
-            ax2.plot(xs, [r.exposed_median_s * 1e3 for r in rs], "s-", label=label)
+            label = ", ".join(f"{o}={v}" for o, v in zip(others, key))
+            ys = [r.iteration_median_s * 1e3 for r in rs]
+            ax1.plot(xs, ys, "o-", color=color, label=label or "iteration time (median)")
+            if any(len(r.runs) > 1 for r in rs):
+                # The spread of the repeats' medians: how much of a step is noise.
+                lo = [y - min(r.runs) * 1e3 for y, r in zip(ys, rs)]
+                hi = [max(r.runs) * 1e3 - y for y, r in zip(ys, rs)]
+                ax1.errorbar(xs, ys, yerr=[lo, hi], fmt="none", ecolor=color, capsize=3, alpha=0.7)
+            ax2.plot(xs, [r.exposed_median_s * 1e3 for r in rs], "s-", color=color,
+                     label=f"exposed{': ' + label if label else ''}")
+            # Time inside collectives, beside the exposed part: the gap between them is what
+            # overlap with compute hides.
+            ax2.plot(xs, [r.comm_median_s * 1e3 for r in rs], "^:", color=color, alpha=0.8,
+                     label=f"in collectives{': ' + label if label else ''}")
+            if numeric and single and len(rs) > 1:
+                # The no-overlap bound: every ms the knob adds inside collectives shows up in the
+                # iteration. A curve below it means part of the added time was hidden.
+                base_it, base_comm = rs[0].iteration_median_s * 1e3, rs[0].comm_median_s * 1e3
+                ax1.plot(xs, [base_it + (r.comm_median_s * 1e3 - base_comm) for r in rs], "--", color="gray",
+                         label="no overlap: base + added collective time")
+                ax1.axhline(base_it, color="gray", lw=0.8, ls=":", label="fully hidden: base")
         unit = " (ms)" if knob.name.startswith("inject") else ""
-        for ax, what in ((ax1, "iteration time (ms, median)"), (ax2, "exposed communication (ms per iteration)")):
+        for ax, what in ((ax1, "iteration time (ms, median)"), (ax2, "communication (ms per iteration, median)")):
             ax.set_xlabel(knob.name + unit)
             ax.set_ylabel(what)
             ax.grid(alpha=0.3)
             ax.set_ylim(bottom=0)
-            if not numeric:
+            if numeric:
+                ticks = sorted({_numeric(v) for v in knob.values})
+                ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            else:
                 ax.set_xticks(range(len(knob.values)), knob.values)
-        if knob.name.startswith("inject") and numeric and not others:
-            # Reference: the delay exposed once per iteration (only the last collective waited on).
-            base = results[0].iteration_median_s * 1e3
-            xs = [_numeric(v) for v in knob.values]
-            ax1.plot(xs, [base + x for x in xs], "--", color="gray", label="base + 1x delay")
-        if any(ax.get_legend_handles_labels()[0] for ax in (ax1,)):
-            ax1.legend(fontsize=8)
-        fig.suptitle(f"what-if: {knob.name}")
+            ax.legend(fontsize=8, loc="upper left")
+        ax1.set_title("iteration time", fontsize=10)
+        ax2.set_title("exposed vs inside collectives", fontsize=10)
+        fig.suptitle(f"what-if: {knob.name}" + (f"\n{context}" if context else ""), fontsize=11)
         fig.tight_layout()
         path = out / f"whatif_{knob.name.replace('.', '_')}.png"
         fig.savefig(path, dpi=110)

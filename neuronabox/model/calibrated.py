@@ -8,9 +8,12 @@ constants. An op that was not measured borrows all-reduce's segments (alpha and 
 bandwidth are per step and per link, not per op). Groups inside one node and ops with no
 usable profile entry fall back to the alpha-beta model: the profile knows the network only.
 
-Where the profile comes from: ``NBOX_PROFILE`` (``nbox validate --profile`` sets it; ``nbox
-run``/``nbox bench`` pass the environment through to the model), or ``profile=`` when built
-in code. What-if ``latency_scale`` and ``bandwidth_scale`` scale alpha and B.
+Where the profile comes from, first found wins: ``profile=`` when built in code; the
+topology's ``emulation.profile`` (a path relative to the topology file, made absolute when
+the file is loaded; ``--profile FILE`` on ``nbox run``, ``bench``, ``whatif`` and ``validate``
+overrides it through ``with_profile``); the ``NBOX_PROFILE`` environment variable, a
+fallback for scripts written before the field existed. What-if ``latency_scale`` and
+``bandwidth_scale`` scale alpha and B.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from pathlib import Path
 from typing import Sequence
 
 from ..collectives import Op
-from ..errors import InputError
+from ..errors import InputError, TopologyError
 from .base import CommModel, Estimate, Group
 
-__all__ = ["CalibratedModel", "ENV_PROFILE"]
+__all__ = ["CalibratedModel", "ENV_PROFILE", "with_profile"]
 
 ENV_PROFILE = "NBOX_PROFILE"
 
@@ -34,7 +37,7 @@ class CalibratedModel(CommModel):
     """Piecewise alpha-beta fitted by ``nbox calibrate``, scaled to other group sizes by the ring closed forms."""
 
     name = "calibrated"
-    description = "piecewise alpha-beta fitted by nbox calibrate (profile from NBOX_PROFILE)"
+    description = "piecewise alpha-beta fitted by nbox calibrate (profile: emulation.profile or --profile)"
     algorithms = ()
     protocols = ()
 
@@ -45,12 +48,19 @@ class CalibratedModel(CommModel):
 
         if isinstance(profile, dict):
             doc = profile
+        elif profile is not None:
+            doc = load_profile(profile)
+        elif topology.emulation.profile is not None:
+            try:
+                doc = load_profile(topology.emulation.profile)
+            except InputError as exc:
+                raise TopologyError(topology.source, "emulation.profile", str(exc)) from None
+        elif os.environ.get(ENV_PROFILE):
+            doc = load_profile(os.environ[ENV_PROFILE])
         else:
-            path = profile if profile is not None else os.environ.get(ENV_PROFILE)
-            if not path:
-                raise InputError(f"model calibrated needs a profile: set {ENV_PROFILE}=PATH "
-                                 "(nbox calibrate TOPOLOGY --profile PATH writes one)")
-            doc = load_profile(path)
+            raise InputError(f"{topology.source}: emulation.profile: model calibrated needs a calibration profile: "
+                             f"set emulation.profile or pass --profile FILE (nbox calibrate writes one; "
+                             f"{ENV_PROFILE} is read last)")
         self.profile = doc
         self.fits = doc["fits"]
         if Op.ALL_REDUCE not in self.fits and not self.fits:
@@ -101,3 +111,29 @@ class CalibratedModel(CommModel):
             t = big_l * seg.alpha_s * self.latency_scale + (0.0 if math.isinf(bw) else big_f * nbytes / bw)
         index = fit.segments.index(seg)
         return Estimate(max(t, 0.0), f"{label} s{index}")
+
+
+def with_profile(topology, profile: str | Path | None, model: str | None = None, flag: str = "--profile"):
+    """``topology`` with a command line's ``--profile FILE`` (and ``--model``) applied over the file's fields.
+
+    A profile is read by the calibrated model only, so ``--profile`` selects that model unless
+    ``--model`` names one; naming another model beside a profile is a contradiction (exit 2),
+    not something to ignore silently. Without ``--profile`` only ``--model`` applies.
+    """
+    changes: dict[str, str] = {}
+    if model is not None:
+        changes["model"] = model
+    if profile is not None:
+        if model is not None and model != CalibratedModel.name:
+            raise InputError(f"{flag}: only model calibrated reads a profile, but --model is {model!r} (drop one of them)")
+        path = Path(profile).expanduser()
+        if not path.is_file():
+            raise InputError(f"{flag}: no such profile file {str(profile)!r}")
+        from ..fidelity.calibrate import load_profile
+
+        try:
+            load_profile(path)
+        except InputError as exc:
+            raise InputError(f"{flag}: {exc}") from None
+        changes.update(profile=str(path.resolve()), model=CalibratedModel.name)
+    return topology.with_changes(emulation=changes) if changes else topology

@@ -6,8 +6,9 @@ and the offending value, which is what the CLI prints before exiting with code 2
 
 from __future__ import annotations
 
-import re
 import copy
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,7 +273,40 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
             raise TopologyError(source, f"whatif.stragglers.{r}", f"rank {r} does not exist (world size {world})")
 
     _check_network(spec, nodes, source)
+    if em.profile is not None:
+        spec, raw = _with_absolute_profile(spec, source, raw)
     return Topology(spec=spec, source=source, nodes=tuple(nodes), rank_node=tuple(rank_node), raw=raw)
+
+
+# The profile's own format string lives with its writer (fidelity.calibrate), above this layer:
+# here only its family is checked; the calibrated model reads the rest when it is built.
+_PROFILE_FORMAT_PREFIX = "neuronabox-calibration/"
+
+
+def _with_absolute_profile(spec: TopologyFile, source: str, raw: dict[str, Any]) -> tuple[TopologyFile, dict[str, Any]]:
+    """Check ``emulation.profile`` (exists, is a calibration profile) and make it absolute in the spec and the raw YAML.
+
+    Relative paths are relative to the topology file's folder. Absolute in ``raw`` too, because
+    ``nbox run`` and the what-if sweep write the effective topology to a temporary file elsewhere.
+    """
+    value = spec.emulation.profile
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = Path(source).resolve().parent / path
+    path = path.resolve()
+    where = "emulation.profile"
+    if not path.is_file():
+        raise TopologyError(source, where, f"no such profile file {value!r} ({path})")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TopologyError(source, where, f"{value!r} is not a readable JSON profile ({exc})") from None
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if not isinstance(fmt, str) or not fmt.startswith(_PROFILE_FORMAT_PREFIX):
+        raise TopologyError(source, where, f"{value!r} is not a calibration profile (format {fmt!r}; nbox calibrate writes one)")
+    em = spec.emulation.model_copy(update={"profile": str(path)})
+    raw = {**raw, "emulation": {**(raw.get("emulation") or {}), "profile": str(path)}}
+    return spec.model_copy(update={"emulation": em}), raw
 
 
 def _override_fields(ov: NodeOverride) -> dict[str, Any]:

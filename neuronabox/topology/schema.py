@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from ..collectives import Op
 from ..units import (
@@ -197,6 +197,20 @@ class Emulation(_Strict):
     protocol: Literal["auto", "LL", "LL128", "Simple"] = "auto"
     model: str = Field("alpha-beta", description="delay model: alpha-beta, nccl, flow, or a plugin's name")
     nccl_version: str = Field("2.28", description="NCCL release whose tuning constants the nccl model uses")
+    profile: str | None = Field(
+        None,
+        description="calibration profile (written by nbox calibrate) that model calibrated reads; a path, relative "
+        "to this file's folder; naming one makes calibrated the default model",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_selects_calibrated(cls, value: Any) -> Any:
+        # A profile is only read by the calibrated model: a file that names a profile and no
+        # model means that model (one that names another model keeps it, for comparisons).
+        if isinstance(value, dict) and value.get("profile") is not None and "model" not in value:
+            return {**value, "model": "calibrated"}
+        return value
 
 
 class WhatIf(_Strict):

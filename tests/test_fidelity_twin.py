@@ -1,0 +1,88 @@
+"""``nbox validate``'s load twin: during each emulated run, the real system's other ranks run beside it, pinned alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from neuronabox.fidelity.validate import rank_cores, twin_ranks
+
+from .conftest import run_nbox
+
+TOPO = """name: twin1g
+cluster: {nodes: 2}
+network: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}
+emulation: {library: gloo}
+"""
+
+# Every process that runs the script leaves a note: which rank, emulated or real, which cores, when.
+NOTES = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    t0 = time.time()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for _ in range(8):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        time.sleep(0.05)  # long enough for the intervals of concurrent processes to overlap clearly
+    note = {"rank": dist.get_rank(), "emulated": "NBOX_REAL_RANK" in os.environ,
+            "cores": sorted(os.sched_getaffinity(0)), "start": t0, "end": time.time()}
+    with open(os.path.join(sys.argv[1], f"{os.getpid()}.json"), "w") as f:
+        json.dump(note, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_the_twin_is_every_other_rank_on_its_own_core():
+    cores = rank_cores(4)
+    assert twin_ranks(2, 0) == [(1, rank_cores(2)[1])]
+    assert twin_ranks(4, 2) == [(0, cores[0]), (1, cores[1]), (3, cores[3])]
+    assert twin_ranks(1, 0) == []
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, qdiscs, iptables)")
+@pytest.mark.parametrize("twin", [True, False])
+def test_each_emulated_run_has_its_twin_running_beside_it_pinned_to_the_other_core(tmp_path, monkeypatch, twin):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("NBOX_STATE_DIR", str(tmp_path / "state"))
+    topo = tmp_path / "t.yaml"
+    topo.write_text(TOPO)
+    script = tmp_path / "notes.py"
+    script.write_text(NOTES)
+    notes_dir = tmp_path / "notes"
+    notes_dir.mkdir()
+    out = tmp_path / "v.json"
+    r = run_nbox("validate", str(topo), "--modes", "model", "--warmup", "2", "--repeats", "2", "--tolerance", "1000%",
+                 "--json", str(out), *([] if twin else ["--no-twin"]), "--", sys.executable, str(script), str(notes_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    v = json.loads(out.read_text())
+    notes = [json.loads(p.read_text()) for p in notes_dir.iterdir()]
+    real = [n for n in notes if not n["emulated"]]
+    measured = [n for n in notes if n["emulated"] and n["rank"] == 0]
+    twins = [n for n in notes if n["emulated"] and n["rank"] == 1]
+    cores = rank_cores(2)
+    assert len(real) == 4 and len(measured) == 2  # 2 repeats of the real system (2 ranks) and of model mode
+    assert all(n["cores"] == [cores[0]] for n in measured)
+    if not twin:
+        assert twins == [] and v["twin_ranks"] == [] and "load twin: rank" not in r.stdout
+        return
+    assert v["twin_ranks"] == [1] and "load twin: rank(s) 1 run beside each emulated run" in r.stdout
+    assert len(twins) == 2 and all(n["cores"] == [cores[1]] for n in twins)
+    # Each twin ran while its measured rank ran (started together, most of their time shared).
+    for m in measured:
+        t = min(twins, key=lambda n: abs(n["start"] - m["start"]))
+        shared = min(m["end"], t["end"]) - max(m["start"], t["start"])
+        assert shared > 0.6 * (m["end"] - m["start"]), (m, t)
