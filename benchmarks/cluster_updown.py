@@ -5,6 +5,8 @@
   under 5 s and under 200 MB.
 - relay throughput: one TCP stream between two nodes whose link adds 1 ms each way, through
   the agent's relay. Goal: at least 1 Gbit/s.
+- NFQUEUE delay line (ICMP/UDP): ping RTT against the set delay, and how many UDP datagrams
+  per second it delays (one Python verdict each: meant for control traffic, not bulk data).
 
 Writes benchmarks/results/cluster_updown.json. Every address used lies inside the
 namespaces this script makes.
@@ -111,6 +113,61 @@ def relay_throughput(delay: str = "1ms", seconds: float = 3.0) -> dict:
         rt.down("relaybench")
 
 
+def queue_figures(delay: str = "0.5ms", seconds: float = 2.0, size: int = 1400) -> dict:
+    """Ping RTT through the NFQUEUE delay line, and its UDP rate (datagrams of ``size`` bytes sent flat out)."""
+    import re
+
+    from neuronabox.cluster import runtime as rt
+    from neuronabox.cluster.netns import Namespace
+    from neuronabox.topology import parse_topology
+
+    t = parse_topology(f"cluster: {{nodes: 2}}\nnetwork: {{type: switch, link: {{bandwidth: 25Gbps, latency: {delay}}}}}\n", "q.yaml")
+    res = rt.up(t, runtime="netns", name="queuebench", shape=True)
+    try:
+        a, b = res.nodes
+        out = subprocess.run(["ping", "-n", "-c", "100", "-i", "0.01", b["address"]], capture_output=True, text=True,
+                             preexec_fn=Namespace(a["ns"]).preexec()).stdout
+        rtts = sorted(float(x) / 1e3 for x in re.findall(r"time=([\d.]+) ms", out))
+        rx = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_DGRAM)
+        rx.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE: the receiver is not the bottleneck
+        rx.bind((b["address"], 0))
+        rx.settimeout(1.0)
+        got = {"n": 0, "first": None, "last": None}
+
+        def drain() -> None:
+            try:
+                while True:
+                    rx.recv(65536)
+                    now = time.perf_counter()
+                    got["first"] = got["first"] or now
+                    got["last"] = now
+                    got["n"] += 1
+            except socket.timeout:
+                pass
+
+        th = threading.Thread(target=drain)
+        th.start()
+        tx = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_DGRAM)
+        payload = b"\0" * size
+        sent, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            try:
+                tx.sendto(payload, rx.getsockname())
+                sent += 1
+            except OSError:
+                pass
+        th.join()
+        tx.close()
+        rx.close()
+        span = max((got["last"] or 0) - (got["first"] or 0), 1e-9)
+        return {"delay_per_link": delay, "route_one_way_delay_s": 2 * float(delay.rstrip("ms")) / 1e3,
+                "mechanism": res.links[0]["mechanisms"], "ping_rtt_median_s": rtts[len(rtts) // 2], "ping_rtt_min_s": rtts[0],
+                "udp_datagram_bytes": size, "udp_sent": sent, "udp_received": got["n"],
+                "udp_packets_per_s": got["n"] / span, "udp_mbyte_per_s": got["n"] * size / span / 1e6}
+    finally:
+        rt.down("queuebench")
+
+
 def main() -> int:
     """Run every measurement and write the JSON."""
     if os.geteuid() != 0:
@@ -127,12 +184,17 @@ def main() -> int:
     relay = [relay_throughput("0.5ms"), relay_throughput("0.5ms")]
     for r in relay:
         print(f"relay, {r['route_one_way_delay_s'] * 1e3:g} ms added each way: {r['gbit_per_s']:.2f} Gbit/s")
+    queue = queue_figures()
+    print(f"nfqueue, {queue['route_one_way_delay_s'] * 1e3:g} ms added each way: ping RTT median "
+          f"{queue['ping_rtt_median_s'] * 1e3:.3f} ms; UDP {queue['udp_packets_per_s']:.0f} datagrams/s "
+          f"({queue['udp_mbyte_per_s']:.1f} MB/s), {queue['udp_received']}/{queue['udp_sent']} arrived")
     worst64 = max((r for r in runs if r["nodes"] == 64), key=lambda r: r["up_s"] + r["down_s"])
     doc = {
         "benchmark": "cluster_updown",
         "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
         "updown": runs,
         "relay": relay,
+        "nfqueue": queue,
         "goals": {
             "updown_64_under_5s": max(worst64["up_s"], worst64["down_s"]) < 5.0,
             "memory_64_under_200mb": max(r["memory_mb"] for r in runs if r["nodes"] == 64) < 200,

@@ -88,12 +88,16 @@ def main() -> int:
         tmp = Path(d)
         os.environ.setdefault("NBOX_STATE_DIR", str(tmp / "state"))
         t0 = time.perf_counter()
+        load_before = os.getloadavg()
         results = [measure(bw, lat, args.reps, args.steps, args.width, tmp) for bw, lat in CONFIGS]
+        load_after = os.getloadavg()
     doc = {
         "benchmark": "wire_vs_model",
         "script": f"examples/ddp_train.py --steps {args.steps} --width {args.width} (2 ranks, {args.reps} interleaved reps)",
         "results": results,
         "seconds": time.perf_counter() - t0,
+        # 1/5/15-minute load averages: a busy 2-core host slows wire mode's stub and relay (1 Gbit most).
+        "loadavg": {"before": load_before, "after": load_after, "cpus": os.cpu_count(), "nice": os.nice(0)},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,8 +45,21 @@ def fat_tree_topo(n: int):
     return topo(f"name: ft{n}\ncluster: {{nodes: {n}}}\nnetwork: {{type: fat-tree, link: {{bandwidth: 10Gbps, latency: 0us}}}}\n")
 
 
+def ns_rules(ns: str) -> list[str]:
+    """The iptables rules inside one namespace (every table)."""
+    out = subprocess.run(["iptables-save"], capture_output=True, text=True, preexec_fn=Namespace(ns).preexec()).stdout
+    return [line for line in out.splitlines() if line.startswith("-")]
+
+
+def ns_queues(ns: str) -> int:
+    """How many nfnetlink queues are bound inside one namespace (/proc/net follows the namespace)."""
+    out = subprocess.run(["cat", "/proc/net/netfilter/nfnetlink_queue"], capture_output=True, text=True,
+                         preexec_fn=Namespace(ns).preexec()).stdout
+    return len(out.splitlines())
+
+
 def snapshot(name: str) -> dict:
-    """What a cluster could leave behind: namespaces, root links, root iptables rules, processes, state."""
+    """What a cluster could leave behind: namespaces, root links, iptables rules (root and the cluster's namespaces), processes, state."""
     import psutil
 
     rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
@@ -54,10 +68,13 @@ def snapshot(name: str) -> dict:
         cmd = " ".join(p.info.get("cmdline") or [])
         if "neuronabox.cluster.agent" in cmd and f"--name {name}" in cmd:
             procs.append(p.pid)
+    namespaces = sorted(n for n in list_namespaces() if n.startswith(f"nbx-{name}-"))
     return {
-        "namespaces": sorted(n for n in list_namespaces() if n.startswith(f"nbx-{name}-")),
+        "namespaces": namespaces,
         "root_links": sorted(n for _, n in socket.if_nameindex()),
         "iptables": sorted(line for line in rules.splitlines() if line.startswith("-")),
+        "ns_iptables": sum(len(ns_rules(n)) for n in namespaces),
+        "nfqueues": sum(ns_queues(n) for n in namespaces),
         "processes": procs,
         "state": ClusterState.exists(name),
     }
@@ -263,7 +280,7 @@ def pair():
     rt.down(name)
 
 
-@pytest.mark.parametrize("mbit", [10, 100, 1000])
+@pytest.mark.parametrize("mbit", [1, 10, 100, 1000])
 def test_shaped_link_throughput_within_10_percent(pair, mbit):
     call = agent(pair)
     rate = mbit * 1e6 / 8
@@ -325,7 +342,7 @@ def test_user_space_delay_adds_the_set_delay(pair):
     _, base = echo_rtt(a, b)
     for delay in (0.001, 0.005):
         view = call("/links/node0:0--switch", {"delay": delay})
-        assert view["mechanisms"]["delay"] in ("relay (TCP)", "netem")
+        assert view["mechanisms"]["delay"] in ("relay (TCP) + nfqueue (ICMP/UDP)", "netem")
         first, rtt = echo_rtt(a, b)
         # The route crosses this link once each way: the round trip gains twice the one-way delay.
         added = (rtt - base) / 2
@@ -334,6 +351,98 @@ def test_user_space_delay_adds_the_set_delay(pair):
         assert abs(added - delay) <= 0.10 * delay + 100e-6
         assert first >= 2 * delay
     call("/links/node0:0--switch", {"delay": 0})
+
+
+def ping_rtts(a: dict, b: dict, count: int, interval: float = 0.01) -> list[float]:
+    """Round trips (s) of ``count`` pings from node a to node b, in order."""
+    r = subprocess.run(["ping", "-n", "-c", str(count), "-i", str(interval), "-W", "2", b["address"]], capture_output=True,
+                       text=True, timeout=120, preexec_fn=Namespace(a["ns"]).preexec())
+    return [float(x) / 1e3 for x in re.findall(r"time=([\d.]+) ms", r.stdout)]
+
+
+def udp_rtt(a: dict, b: dict, rounds: int = 40) -> float:
+    """Low (20th-percentile) round trip of a UDP datagram from a to an echo in b."""
+    srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_DGRAM)
+    srv.bind((b["address"], 0))
+    srv.settimeout(5)
+
+    def serve() -> None:
+        for _ in range(rounds):
+            d, peer = srv.recvfrom(64)
+            srv.sendto(d, peer)
+
+    th = threading.Thread(target=serve)
+    th.start()
+    c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_DGRAM)
+    c.settimeout(5)
+    rtts = []
+    for i in range(rounds):
+        t = time.perf_counter()
+        c.sendto(i.to_bytes(4, "big"), srv.getsockname())
+        c.recv(64)
+        rtts.append(time.perf_counter() - t)
+    th.join(10)
+    c.close()
+    srv.close()
+    return low(rtts)
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def low(xs: list[float]) -> float:
+    """The 20th percentile: a delay adds to every packet, while a busy host only ever adds more."""
+    return sorted(xs)[len(xs) // 5]
+
+
+def test_ping_and_udp_are_delayed_too_and_follow_nbox_shape_in_flight(pair):
+    from typer.testing import CliRunner
+
+    import neuronabox.cli.cluster_cmds  # noqa: F401 - registers the verbs
+    from neuronabox.cli import app
+
+    call = agent(pair)
+    a, b = hosts(pair)
+    call("/links/node0:0--switch", {"rate": "10Gbps", "delay": "1ms"})  # installs the delay path's rules
+    call("/links/node0:0--switch", {"delay": 0})
+    base = low(ping_rtts(a, b, 50))  # through the queue, held for no time
+    ubase = udp_rtt(a, b)
+    for delay in (0.001, 0.005):
+        view = call("/links/node0:0--switch", {"delay": delay})
+        assert view["mechanisms"]["delay"] in ("relay (TCP) + nfqueue (ICMP/UDP)", "netem")
+        rtts = ping_rtts(a, b, 50)
+        assert len(rtts) == 50  # none lost
+        rtt = low(rtts)
+        # The route crosses this link once each way: the echo request is held by node0's queue,
+        # the reply by node1's, so the round trip gains twice the one-way delay.
+        added = (rtt - base) / 2
+        uadded = (udp_rtt(a, b) - ubase) / 2
+        print(f"\ndelay {delay * 1e3:g} ms: ping RTT p20 {rtt * 1e3:.3f} ms (median {median(rtts) * 1e3:.3f}, base p20 "
+              f"{base * 1e3:.3f}), added one-way {added * 1e3:.3f} ms, error {(added - delay) * 1e6:+.0f} us; "
+              f"UDP added one-way {uadded * 1e3:.3f} ms")
+        assert abs(added - delay) <= 0.10 * delay + 100e-6
+        assert abs(uadded - delay) <= 0.10 * delay + 100e-6
+    # In flight: `nbox shape` while a ping runs; the pings after the change see the new delay.
+    call("/links/node0:0--switch", {"delay": "1ms"})
+    proc = subprocess.Popen(["ping", "-n", "-c", "150", "-i", "0.02", b["address"]], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=Namespace(a["ns"]).preexec())
+    try:
+        time.sleep(1.2)
+        r = CliRunner().invoke(app, ["shape", "node0:0--switch", "--delay", "5ms", "--name", pair])
+        assert r.exit_code == 0, r.output
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        call("/links/node0:0--switch", {"delay": 0})
+    rtts = [float(x) / 1e3 for x in re.findall(r"time=([\d.]+) ms", out)]
+    before, after = low(rtts[5:40]), low(rtts[-60:])
+    print(f"in flight: ping RTT p20 {before * 1e3:.3f} ms at 1 ms, {after * 1e3:.3f} ms after `nbox shape --delay 5ms`")
+    assert abs((before - base) / 2 - 0.001) <= 0.0001 + 100e-6
+    assert abs((after - base) / 2 - 0.005) <= 0.0005 + 100e-6
+    seqs = [int(x) for x in re.findall(r"icmp_seq=(\d+)", out)]
+    assert seqs == sorted(seqs)  # one flow: released in order
 
 
 def test_jitter_keeps_the_stream_in_order(pair):
@@ -452,8 +561,14 @@ def test_down_after_kill_9_of_up_half_way_leaves_nothing(phase, tmp_path):
     assert "nbox-fault-pause" in line
     during = snapshot(name)
     assert during["namespaces"] and during["state"]
+    if phase in ("shaping", "agent"):
+        # The delay path's rules exist in every node (each route is delayed) and were recorded first.
+        recorded = [r["rule"] for r in ClusterState.load(name)["iptables"] if "rule" in r]
+        assert sum("NFQUEUE" in r for r in recorded) == 16 and sum("REDIRECT" in r for r in recorded) == 16
+        assert sum(any("NFQUEUE" in x for x in ns_rules(f"nbx-{name}-h{i}")) for i in range(16)) == 16
     if phase == "agent":
         assert during["processes"]
+        assert during["nfqueues"] == 16  # the agent bound a queue in every node
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     st = rt.status(name)[0]
@@ -492,7 +607,7 @@ def test_cli_verbs(tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["up", str(yaml), "--runtime", "netns", "--name", "cli"])
     assert r.exit_code == 0, r.output
-    assert "tbf" in r.output and "relay (TCP)" in r.output
+    assert "tbf" in r.output and "relay (TCP)" in r.output and "nfqueue" in r.output
     try:
         r = runner.invoke(app, ["status", "--json", "--name", "cli"])
         assert json.loads(r.output)[0]["healthy"] is True
@@ -503,6 +618,9 @@ def test_cli_verbs(tmp_path):
         r = runner.invoke(app, ["doctor", "--json"])
         rows = {x["check"]: x for x in json.loads(r.output)}
         assert rows["qdisc tbf"]["ok"] and rows["privileges"]["ok"]
+        assert rows["nfnetlink_queue"]["ok"]
+        if not rows["qdisc netem"]["ok"]:
+            assert "NFQUEUE delay line for ICMP/UDP" in rows["delay mechanism"]["detail"]
     finally:
         r = runner.invoke(app, ["down", "cli"])
         assert r.exit_code == 0, r.output

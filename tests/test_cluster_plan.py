@@ -12,7 +12,7 @@ import pytest
 
 from neuronabox.cluster.agent import parse_shape_changes
 from neuronabox.cluster.netns import plan_network
-from neuronabox.cluster.shaping import LinkShape, loss_rules, mechanisms, rate_params
+from neuronabox.cluster.shaping import GSO_MAX_SIZE, LinkShape, loss_rules, mechanisms, rate_params
 from neuronabox.cluster.state import ClusterState, default_name, list_clusters, valid_name
 from neuronabox.errors import InputError
 from neuronabox.topology.graph import ClusterGraph
@@ -124,6 +124,9 @@ def test_rate_params_are_sane(mbit):
     p = rate_params(mbit * 1e6 / 8)
     assert p.burst >= 2 * 1514
     assert p.burst <= max(2 * 1514, p.rate * 0.0011)
+    # A GSO packet (payload <= gso_max_size, plus 66 B per 1448 B segment) fits the bucket: tbf never cuts it.
+    assert p.gso_max_size * 1514 / 1448 <= p.burst and p.gso_max_size <= GSO_MAX_SIZE
+    assert (p.gso_max_size == GSO_MAX_SIZE) == (mbit >= 1000)  # from ~600 Mbit/s a 1 ms bucket holds 64 KiB
     assert p.limit > p.burst
     # The queue holds no more than ~20 ms of traffic (plus ten frames at low rates).
     assert (p.limit - p.burst) / p.rate <= max(0.021, 10 * 1514 / p.rate + 1e-9)
@@ -132,7 +135,7 @@ def test_rate_params_are_sane(mbit):
 def test_mechanisms_and_loss_rules_without_netem():
     s = [LinkShape(1.25e8, 0.001, 0, 0.01), LinkShape(1.25e8, 0.001, 0, 0)]
     m = mechanisms(s, netem=False)
-    assert m == {"rate": "tbf", "delay": "relay (TCP)", "loss": "iptables statistic"}
+    assert m == {"rate": "tbf", "delay": "relay (TCP) + nfqueue (ICMP/UDP)", "loss": "iptables statistic"}
     assert mechanisms(s, netem=True)["delay"] == "netem"
     assert mechanisms([LinkShape(10e9), LinkShape(10e9)], netem=False)["rate"] == "htb"
     lk = plan_network(switch(2), "c").links[0]
@@ -140,6 +143,22 @@ def test_mechanisms_and_loss_rules_without_netem():
     # The switch end is a bridge port, invisible to iptables: both directions drop at the NIC.
     assert set(rules) == {lk.a.ns}
     assert len(rules[lk.a.ns]) == 2
+
+
+def test_delay_rules_send_tcp_to_the_relay_and_the_rest_to_the_queue():
+    from neuronabox.cluster.nfqueue import QUEUE_NUM, flow_key
+    from neuronabox.cluster.shaping import delay_rules
+
+    tcp, rest = delay_rules(15001, "10.77.0.0/16")
+    assert tcp[tcp.index("-j") + 1] == "REDIRECT" and "tcp" in tcp
+    assert rest[:4] == ["-t", "mangle", "-A", "OUTPUT"] and rest[rest.index("-j") + 1] == "NFQUEUE"
+    assert rest[rest.index("-p") - 1] == "!" and str(QUEUE_NUM) in rest and "--queue-bypass" in rest
+    # Flow keys: ICMP echoes by id, UDP by ports; two pings with different ids are different flows.
+    ip = bytes([0x45, 0, 0, 84, 0, 0, 0, 0, 64, 1, 0, 0, 10, 77, 0, 1, 10, 77, 0, 2])
+    echo = lambda ident, seq: ip + bytes([8, 0, 0, 0]) + ident.to_bytes(2, "big") + seq.to_bytes(2, "big")
+    assert flow_key(echo(7, 1)) == flow_key(echo(7, 2)) != flow_key(echo(8, 1))
+    udp = ip[:9] + bytes([17]) + ip[10:] + bytes([0x13, 0x88, 0x27, 0x10, 0, 8, 0, 0])
+    assert flow_key(udp) == (17, bytes([10, 77, 0, 2]), bytes([0x13, 0x88, 0x27, 0x10]))
 
 
 def test_parse_shape_changes():

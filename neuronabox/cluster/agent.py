@@ -7,7 +7,8 @@ It owns what changes while a cluster runs:
   "loss": "0.1%", "direction": "both|ab|ba"}`` (strings with units, or numbers in bytes/s,
   seconds and fractions), applied live (``tc change`` through pyroute2, the relay's delay
   table, the loss rules); ``GET /metrics`` (Prometheus), ``GET /health``;
-- the user-space delay relay (``relay.py``) for all node namespaces when the kernel lacks netem;
+- the user-space delay path for all node namespaces when the kernel lacks netem: the TCP relay
+  (``relay.py``) and the NFQUEUE delay line for ICMP and UDP (``nfqueue.py``), one delay table;
 - per-link counters read from the kernel on each scrape: bytes and packets (the sending end's
   tx counters) and drops (its qdisc's drops, its tx drops and the receiver's rx drops),
   exported as ``nbox_link_*`` metrics in base units.
@@ -20,6 +21,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +31,9 @@ from urllib.parse import unquote
 from ..errors import InputError
 from ..units import UnitError, parse_bandwidth, parse_duration, parse_ratio
 from .netns import Namespace
-from .relay import Delays, Relay, redirect_rule
-from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, iptables, loss_rules, mechanisms
+from .nfqueue import DelayLine
+from .relay import Delays, Relay
+from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, iptables, loss_rules, mechanisms
 from .state import ClusterState
 
 __all__ = ["Agent", "NoSuchLink", "parse_shape_changes", "main"]
@@ -103,6 +106,7 @@ class Agent:
         # sockets are made inside the right namespace.
         self.nl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbox-netlink")
         self.relay: Relay | None = None
+        self.delayline: DelayLine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lookups ---------------------------------------------------------------------------
@@ -147,9 +151,11 @@ class Agent:
             return
         table = self.route_delays()
         for ns in self.needs_relay() - self.relay_ns:
+            rules = delay_rules(self.relay_port, self.subnet)
             with ClusterState(self.name).locked() as st:
-                st.record("iptables", {"ns": ns, "rule": redirect_rule(self.relay_port, self.subnet)})
-            iptables(Namespace(ns), redirect_rule(self.relay_port, self.subnet))
+                st.record("iptables", [{"ns": ns, "rule": r} for r in rules])
+            for r in rules:
+                iptables(Namespace(ns), r)
             self.relay_ns.add(ns)
         for ns, t in table.items():
             self.loop.call_soon_threadsafe(self.relay.set_delays, ns, t)
@@ -299,6 +305,11 @@ class Agent:
                     b = CounterMetricFamily("nbox_relay_bytes", "Bytes through the delay relay", labels=["cluster"])
                     b.add_metric([agent.name], agent.relay.bytes)
                     yield b
+                if agent.delayline is not None:
+                    q = CounterMetricFamily("nbox_nfqueue_packets", "Non-TCP packets held by the NFQUEUE delay line",
+                                            labels=["cluster"])
+                    q.add_metric([agent.name], agent.delayline.held)
+                    yield q
 
         return LinkCollector()
 
@@ -320,9 +331,10 @@ class Agent:
                     if path == "/metrics":
                         self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
                     elif path == "/health":
-                        r = agent.relay
+                        r, q = agent.relay, agent.delayline
                         self._send(200, {"cluster": agent.name, "pid": os.getpid(), "relay_namespaces": sorted(agent.relay_ns),
-                                         "relay": None if r is None else {"connections": r.connections, "bytes": r.bytes, "errors": r.errors}})
+                                         "relay": None if r is None else {"connections": r.connections, "bytes": r.bytes, "errors": r.errors},
+                                         "nfqueue": None if q is None else {"queues": len(q.queues), "held": q.held, "released": q.released}})
                     elif path == "/links":
                         c = agent.counters()
                         self._send(200, [agent.view(lid, c) for lid in sorted(agent.links)])
@@ -368,6 +380,14 @@ class Agent:
                 await self.relay.listen(h["ns"], Namespace(h["ns"]))
             for ns, t in self.route_delays().items():
                 self.relay.set_delays(ns, t)
+            # Non-TCP packets: the same delay table and timer heap as the relay's streams.
+            self.delayline = DelayLine(self.loop, self.relay.timers, self.relay.lookup)
+            for h in self.hosts:
+                try:
+                    self.delayline.attach(h["ns"], Namespace(h["ns"]))
+                except OSError as exc:
+                    # The queue rule has --queue-bypass: this node's ICMP/UDP then passes undelayed.
+                    print(f"nbox agent: no NFQUEUE delay line in {h['ns']}: {exc}", file=sys.stderr, flush=True)
         httpd = ThreadingHTTPServer(("127.0.0.1", port), self.handler())
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True, name="nbox-agent-http").start()
@@ -383,6 +403,8 @@ class Agent:
         await stop.wait()
         # No httpd.shutdown(): it waits out serve_forever's 0.5 s poll; the thread is a daemon.
         httpd.server_close()
+        if self.delayline is not None:
+            self.delayline.close()
         if self.relay is not None:
             self.relay.close()
 

@@ -98,6 +98,7 @@ class TimerQueue:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._armed = float("inf")
+        self.errors = 0
         # Default timer slack lets the kernel fire a timer up to 50 µs late; ask for none.
         _libc.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
         loop.add_reader(self.fd, self._fire)
@@ -134,10 +135,18 @@ class TimerQueue:
             pass
         now = self.loop.time()
         heap = self._heap
-        while heap and heap[0][0] <= now + 20e-6:
-            _, _, cb = heapq.heappop(heap)
-            cb()
-        self._arm(heap[0][0] if heap else float("inf"))
+        try:
+            while heap and heap[0][0] <= now + 20e-6:
+                _, _, cb = heapq.heappop(heap)
+                try:
+                    cb()
+                except Exception as exc:  # noqa: BLE001 - one connection's failure must not stop the others
+                    # A callback that raised used to skip the re-arm below: the timerfd then never
+                    # fired again and every connection and packet of the cluster froze for good.
+                    self.errors += 1
+                    self.loop.call_exception_handler({"message": "nbox delay timer: a release failed", "exception": exc})
+        finally:
+            self._arm(heap[0][0] if heap else float("inf"))
 
 
 # ---- one direction of a connection ----------------------------------------------------------
@@ -201,14 +210,23 @@ class _Pipe:
             _, data = self.queue.popleft()
             if data is None:
                 if out:
-                    self.dst.writelines(out)
+                    try:
+                        self.dst.writelines(out)
+                    except (OSError, RuntimeError):
+                        pass  # _eof below finds the transport closing, or aborts it
                     out = []
                 self._eof()
                 return
             out.append(data)
             self.queued -= len(data)
         if out:
-            self.dst.writelines(out)
+            try:
+                self.dst.writelines(out)
+            except (OSError, RuntimeError):
+                # The far side is gone (or half-closed) under us: drop this direction.
+                self.dst.abort()
+                self.finish()
+                return
         if self.paused_src and self.queued < LOW_WATER and self.src is not None:
             self.paused_src = False
             self.src.resume_reading()
@@ -216,10 +234,15 @@ class _Pipe:
 
     def _eof(self) -> None:
         if not self.dst.is_closing():
-            if self.dst.can_write_eof():
-                self.dst.write_eof()
-            else:
-                self.dst.close()
+            try:
+                if self.dst.can_write_eof():
+                    self.dst.write_eof()
+                else:
+                    self.dst.close()
+            except OSError:
+                # The far side reset while its EOF waited out the delay (shutdown: ENOTCONN),
+                # and the loop has not seen the reset yet: nothing more can reach it.
+                self.dst.abort()
         self.finish()
 
     def finish(self) -> None:

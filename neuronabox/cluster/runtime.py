@@ -32,15 +32,16 @@ from pathlib import Path
 
 from ..errors import InputError
 from .netns import DEFAULT_SUBNET, Namespace, build_network, ns_pids, plan_network, remove_namespaces
-from .relay import DEFAULT_PORT, redirect_rule
+from .relay import DEFAULT_PORT
 from .shaping import (
     LOSS_CHAIN,
     LinkShape,
     apply_loss,
     apply_rate,
+    delay_rules,
     has_netem,
     iptables,
-    iptables_parallel,
+    iptables_restore_parallel,
     kernel_qdiscs,
     loss_rules,
     mechanisms,
@@ -277,12 +278,14 @@ def _up_netns(st: ClusterState, topo, subnet: str, shape: bool, rate_kind: str, 
                   + [{"ns": ns, "rule": r} for ns, rs in rules.items() for r in rs])
         for ns, rs in rules.items():
             apply_loss(Namespace(ns), rs, set())
-        # Delay without netem: redirect TCP of nodes with a delayed route to the agent's relay.
-        st.record("iptables", [{"ns": ns, "rule": redirect_rule(DEFAULT_PORT, plan.subnet)} for ns in sorted(delayed)])
-        iptables_parallel([(Namespace(ns), redirect_rule(DEFAULT_PORT, plan.subnet)) for ns in sorted(delayed)])
+        # Delay without netem: TCP of nodes with a delayed route goes to the agent's relay, their
+        # other packets (ICMP, UDP) to its NFQUEUE delay line.
+        drules = delay_rules(DEFAULT_PORT, plan.subnet)
+        st.record("iptables", [{"ns": ns, "rule": r} for ns in sorted(delayed) for r in drules])
+        iptables_restore_parallel([(Namespace(ns), drules) for ns in sorted(delayed)])
         st.data["plan"]["relay_ns"] = sorted(delayed)
         st.save()
-    say(f"shaped {sum(1 for s in shapes.values() if s[0].rate > 0)} links ({'netem' if netem else 'tbf/htb + relay for delay'})")
+    say(f"shaped {sum(1 for s in shapes.values() if s[0].rate > 0)} links ({'netem' if netem else 'tbf/htb; delay by relay (TCP) + nfqueue (ICMP/UDP)'})")
     _fault_point("shaping")
     if agent:
         _start_agent(st)
@@ -523,11 +526,19 @@ def doctor() -> list[dict]:
                 row(f"iptables {label}", r.returncode == 0, (r.stderr.strip().splitlines() or [""])[0])
         else:
             row("iptables", False, "no iptables binary (Debian: apt-get install iptables); loss and the delay relay need it")
+        try:
+            from .nfqueue import NfQueue
+
+            NfQueue(scratch).close()
+            row("nfnetlink_queue", True, "a queue binds (the ICMP/UDP delay line)")
+        except OSError as exc:
+            row("nfnetlink_queue", False, str(exc))
         scratch.delete()
     netem = False
     with contextlib.suppress(OSError, KeyError):
         netem = cap and kernel_qdiscs()["netem"]
-    row("delay mechanism", True, "netem" if netem else "user-space TCP relay (no netem); rate by tbf/htb, loss by iptables statistic")
+    row("delay mechanism", True, "netem" if netem else "user-space (no netem): relay for TCP + NFQUEUE delay line for ICMP/UDP; "
+        "rate by tbf/htb, loss by iptables statistic")
     ok, detail = docker_engine()
     row("docker engine", ok, detail)
     gpu = [p for p in ("/dev/nvidiactl", "/dev/nvidia0") if os.path.exists(p)]

@@ -54,6 +54,12 @@ duration (what-if injections included); a schedule without such steps is spread 
 The real rank's own sends leave as soon as the ring's data dependencies allow, and its op
 completes when it has received its last frame and the next rank acknowledged its own last one.
 
+Stalls: no wait of the real rank is unbounded. Every receive, send and acknowledgement of an
+op must come within ``NBOX_WIRE_TIMEOUT`` seconds (default 60) after the op's modeled end
+(its start plus the model's duration, so a slow link or a big op gets the time the model
+gives it); otherwise the op fails with an error that names the op, the frame and the stub,
+and the training script sees it as the collective's exception instead of hanging.
+
 Data semantics (mirror): every emulated rank holds the real rank's input, so the stub sends
 the real rank's own input chunks. A reduce-scatter partial from the previous rank at ring
 step k stands for k+1 identical contributions, which the real rank folds in with that
@@ -80,7 +86,8 @@ import uuid
 import warnings
 
 __all__ = [
-    "STUB_PORT", "HELLO", "FRAME", "send_msg", "recv_msg", "recv_exact", "WireClient", "ENV_WIRE", "ENV_CLUSTER",
+    "STUB_PORT", "HELLO", "FRAME", "send_msg", "recv_msg", "recv_exact", "WireClient", "WireStall", "ENV_WIRE",
+    "ENV_CLUSTER", "ENV_TIMEOUT", "stall_timeout",
 ]
 
 STUB_PORT = 15100
@@ -92,6 +99,28 @@ MAX_MSG = 64 << 20
 SLICE = 262144  # ring chunks travel in slices of at most this size, so a ring pipelines
 ENV_WIRE = "NBOX_WIRE"
 ENV_CLUSTER = "NBOX_CLUSTER"
+ENV_TIMEOUT = "NBOX_WIRE_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0  # s past an op's modeled end before a silent stub counts as stalled
+
+
+class WireStall(ConnectionError):
+    """A stub or the path to it made no progress within the wire timeout."""
+
+
+def stall_timeout() -> float:
+    """Seconds past an op's modeled end before the wire gives up (``NBOX_WIRE_TIMEOUT``, default 60)."""
+    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from ..errors import InputError
+
+        raise InputError(f"{ENV_TIMEOUT}: expected a positive number of seconds, got {raw!r}")
+    return value
 
 
 # ---- control framing (both sides) ------------------------------------------------------------
@@ -149,8 +178,9 @@ def _send_frames(sock: socket.socket, header: bytes, payload) -> None:
 class _Sender:
     """Writes frames to one data connection in FIFO order, so the ring's sends overlap its receives."""
 
-    def __init__(self, sock: socket.socket, name: str):
+    def __init__(self, sock: socket.socket, name: str, node: str = ""):
         self.sock = sock
+        self.node = node
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.done = 0
         self.queued = 0
@@ -164,14 +194,21 @@ class _Sender:
         self.q.put((header, payload))
         return self.queued
 
-    def wait(self, ticket: int | None = None) -> None:
-        """Block until frame ``ticket`` (default: every queued frame) is written."""
+    def wait(self, ticket: int | None = None, deadline: float | None = None) -> None:
+        """Block until frame ``ticket`` (default: every queued frame) is written, at most until ``deadline`` (monotonic)."""
         target = self.queued if ticket is None else ticket
         with self.cond:
             while self.done < target and self.error is None:
-                self.cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WireStall(f"nbox wire: sending to the stub on {self.node} stalled: {self.done} of {target} "
+                                    f"frames written within the wire timeout ({ENV_TIMEOUT})")
+                self.cond.wait(left)
         if self.error is not None:
-            raise ConnectionError(f"nbox wire: sending failed: {self.error}")
+            if isinstance(self.error, TimeoutError):
+                raise WireStall(f"nbox wire: sending to the stub on {self.node} stalled: no room for a frame within "
+                                f"the wire timeout ({ENV_TIMEOUT})")
+            raise ConnectionError(f"nbox wire: sending to the stub on {self.node} failed: {self.error}")
 
     def _run(self) -> None:
         while True:
@@ -202,7 +239,7 @@ class _Peer:
         self.ctl = ctl
         self.out = out
         self.inp = inp
-        self.sender = _Sender(out, f"nbox-wire-send-{node}")
+        self.sender = _Sender(out, f"nbox-wire-send-{node}", node)
         self.arena_size = 0
 
 
@@ -334,6 +371,10 @@ class WireClient:
         self.arena_size = 0
         self._tmp = None
         self._steps: dict = {}
+        self.stall = stall_timeout()
+        self._deadline = float("inf")  # monotonic: the current op's modeled end plus the stall timeout
+        self._op = ""
+        self.broken: BaseException | None = None  # the first failed op's error
         self._Work = _make_work_class()
         self._thread = threading.Thread(target=self._loop, name="nbox-wire", daemon=True)
         self._thread.start()
@@ -381,16 +422,22 @@ class WireClient:
 
         info = ensure_stub(self.cluster, node)
         ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        ctl.connect(info["control"])
-        send_msg(ctl, {"t": "hello", "session": self.session, "rank": self.emu.real_rank, "clock": time.perf_counter()})
-        reply, _ = recv_msg(ctl)
+        ctl.settimeout(self.stall)
+        try:
+            ctl.connect(info["control"])
+            send_msg(ctl, {"t": "hello", "session": self.session, "rank": self.emu.real_rank, "clock": time.perf_counter()})
+            reply, _ = recv_msg(ctl)
+        except TimeoutError:
+            raise WireStall(f"nbox wire: the stub on {node} did not answer within {self.stall:g} s "
+                            f"({ENV_TIMEOUT}); see its log in the cluster's state directory") from None
         if not reply or reply.get("t") != "ok":
             raise ConnectionError(f"nbox wire: stub on {node} refused the session: {reply}")
         addr = self.hosts[node]["address"]
         socks = []
         for kind in (KIND_TO_STUB, KIND_FROM_STUB):
-            s = socket.create_connection((addr, info["port"]), timeout=30)
-            s.settimeout(None)
+            s = socket.create_connection((addr, info["port"]), timeout=self.stall)
+            # Sends are bounded by the stall timeout (a frame is at most SLICE bytes); receives
+            # set their own timeout from the op's deadline.
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.sendall(HELLO.pack(MAGIC, self.session, kind))
             socks.append(s)
@@ -560,40 +607,70 @@ class WireClient:
             job.seq = self.seq
             rec = job.rec
             start = clock()
+            modeled = rec.duration + rec.extra
+            self._deadline = time.monotonic() + (modeled if 0 <= modeled < 1e9 else 0.0) + self.stall
+            self._op = f"{rec.op.value} #{job.seq} ({rec.nbytes} B)"
             err = None
             try:
+                if self.broken is not None:
+                    # The streams of a failed op are out of step: a later op could only read the
+                    # wrong frames or wait for ones that never come.
+                    raise ConnectionError(f"nbox wire: an earlier op failed: {self.broken}")
                 job.run(job)
             except BaseException as exc:  # noqa: BLE001 - reported through the work
                 err = exc
+                if self.broken is None:
+                    self.broken = exc
             end = clock()
             rec.start, rec.end, rec.completed = start, end, end
             with job.tl._lock:
                 job.tl.last_end = max(job.tl.last_end, end)
             job.work._finish(err)
 
+    def _left(self) -> float:
+        """Seconds until the current op counts as stalled (never 0: a socket timeout of 0 means non-blocking)."""
+        return max(1e-3, self._deadline - time.monotonic())
+
+    def _stalled(self, p: _Peer, what: str) -> WireStall:
+        return WireStall(f"nbox wire: {self._op} stalled: {what} from the stub on {p.node} within {self.stall:g} s of the "
+                         f"op's modeled end ({ENV_TIMEOUT}); the stub or the path to it stopped (stub log: "
+                         f"stub-{p.node}.log in the cluster's state directory)")
+
     def _announce(self, job, p: _Peer, sends: list[list]) -> None:
-        self._share_arena(p)
-        send_msg(p.ctl, {"t": "op", "seq": job.seq, "op": job.rec.op.value, "sends": sends})
+        p.ctl.settimeout(self._left())
+        try:
+            self._share_arena(p)
+            send_msg(p.ctl, {"t": "op", "seq": job.seq, "op": job.rec.op.value, "sends": sends})
+        except TimeoutError:
+            raise self._stalled(p, "no room on the control socket") from None
 
     def _fence(self, p: _Peer, seq: int, frame: int) -> None:
         """Wait until the stub ``p`` has received our frame ``(seq, frame)``."""
-        p.sender.wait()
-        send_msg(p.ctl, {"t": "fence", "seq": seq, "frame": frame})
-        reply, _ = recv_msg(p.ctl)
+        p.sender.wait(deadline=self._deadline)
+        p.ctl.settimeout(self._left())
+        try:
+            send_msg(p.ctl, {"t": "fence", "seq": seq, "frame": frame})
+            reply, _ = recv_msg(p.ctl)
+        except TimeoutError:
+            raise self._stalled(p, f"no acknowledgement of our frame ({seq}, {frame})") from None
         if not reply or reply.get("t") != "ack":
             raise ConnectionError(f"nbox wire: the stub on {p.node} did not acknowledge frame ({seq}, {frame}): {reply}")
 
     def _recv_frame(self, p: _Peer, seq: int, step: int, dest: memoryview) -> None:
-        head = recv_exact(p.inp, FRAME.size)
-
+        p.inp.settimeout(self._left())
+        try:
+            head = recv_exact(p.inp, FRAME.size)
+            if head is not None:
+                s, k, n = FRAME.unpack(head)
+                if (s, k) == (seq, step) and n == len(dest) and n:
+                    recv_exact(p.inp, n, dest)
+        except TimeoutError:
+            raise self._stalled(p, f"no frame ({seq}, {step})") from None
         if head is None:
             raise ConnectionError(f"nbox wire: the stub on {p.node} closed the connection")
-        s, k, n = FRAME.unpack(head)
         if (s, k) != (seq, step) or n != len(dest):
             raise ConnectionError(
                 f"nbox wire: expected frame ({seq}, {step}, {len(dest)} B) from {p.node}, got ({s}, {k}, {n} B)")
-        if n:
-            recv_exact(p.inp, n, dest)
 
     def _neighbours(self, pg):
         order, me, prev, nxt = self._ring(pg)
@@ -646,7 +723,7 @@ class WireClient:
             c = recv_idx(k)
             for j, (lo, hi) in enumerate(parts(c)):
                 dst = chunks[c][lo:hi]
-                sender.wait(tickets.get((c, j), 0))  # an earlier send of this slice must have left
+                sender.wait(tickets.get((c, j), 0), self._deadline)  # an earlier send of this slice must have left
                 receive(k, dst, lambda buf: self._recv_frame(pp, seq, k * J + j, buf))
                 if k + 1 < nsteps:
                     tickets[(c, j)] = sender.put(FRAME.pack(seq, (k + 1) * J + j, (hi - lo) * esize), _mv(dst))

@@ -1,0 +1,103 @@
+"""The user-space delay path must survive connections that end badly.
+
+The wire-mode hang of the fidelity table came from here: a peer that reset its connection
+(gloo aborting a rank at teardown does that) while its end-of-stream waited out the delay made
+the relay's ``write_eof`` fail with ENOTCONN inside the timer callback, which then never re-armed
+its timerfd: every delayed connection and packet of the cluster stopped for good, and the next
+run through it (a wire-mode run) waited forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from neuronabox.cluster import runtime as rt
+from neuronabox.cluster.netns import Namespace
+from neuronabox.cluster.relay import TimerQueue
+
+from .conftest import private_cluster_state, topo
+
+
+@pytest.fixture(scope="module", autouse=True)
+def state_dir(tmp_path_factory):
+    yield from private_cluster_state(tmp_path_factory, "nbox-relay-state")
+
+
+def test_a_failing_release_does_not_stop_the_timer():
+    async def main() -> tuple[list[int], int, list[str]]:
+        loop = asyncio.get_running_loop()
+        logged: list[str] = []
+        loop.set_exception_handler(lambda _loop, ctx: logged.append(ctx["message"]))
+        tq = TimerQueue(loop)
+        got: list[int] = []
+
+        def reset() -> None:
+            raise OSError(107, "Transport endpoint is not connected")
+
+        now = loop.time()
+        tq.at(now + 0.001, reset)
+        tq.at(now + 0.001, lambda: got.append(1))
+        await asyncio.sleep(0.02)
+        tq.at(loop.time() + 0.001, lambda: got.append(2))  # armed after the failure
+        await asyncio.sleep(0.02)
+        tq.close()
+        return got, tq.errors, logged
+
+    got, errors, logged = asyncio.run(main())
+    assert got == [1, 2] and errors == 1 and logged == ["nbox delay timer: a release failed"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, iptables)")
+def test_the_relay_survives_peers_that_reset_while_their_eof_is_delayed():
+    name = "rlyrst"
+    res = rt.up(topo("cluster: {nodes: 2}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 500us}}\n"),
+                runtime="netns", name=name)
+    try:
+        a, b = res.nodes
+        srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.bind((b["address"], 0))
+        srv.listen(512)
+
+        def serve() -> None:
+            while True:
+                try:
+                    c, _ = srv.accept()
+                except OSError:
+                    return
+                try:
+                    c.sendall(b"x" * 1000)
+                    c.shutdown(socket.SHUT_WR)  # data, then EOF: the relay holds both for the delay
+                except OSError:
+                    pass
+                c.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+
+        def one(reset: bool) -> float:
+            c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+            c.settimeout(5)
+            t = time.perf_counter()
+            c.connect((b["address"], srv.getsockname()[1]))
+            c.recv(1)  # socket.timeout here: the relay froze
+            took = time.perf_counter() - t
+            if reset:
+                # Close with unread data and linger 0: an RST that races the relay's delayed EOF.
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.close()
+            return took
+
+        for _ in range(400):  # the unfixed relay froze within a few dozen of these
+            one(reset=True)
+        took = one(reset=False)
+        srv.close()
+        # Still delaying (the server's first byte comes back 1 ms late), not frozen.
+        assert 0.0009 <= took < 1.0
+    finally:
+        rt.down(name)
