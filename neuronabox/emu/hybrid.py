@@ -752,6 +752,21 @@ def _pre_reduce(t: torch.Tensor, op, c: int, n: int) -> bool:
     return False
 
 
+def _copy_back(fixups: list, n: int) -> Callable[[], None] | None:
+    """The post step of a reduction that ran in scratch buffers: finish AVG's division, copy into the caller's tensors."""
+    if not fixups:
+        return None
+
+    def post():
+        for t, buf, divide in fixups:
+            if divide:
+                buf.div_(n, rounding_mode="trunc")
+            if buf is not t:
+                t.copy_(buf)
+
+    return post
+
+
 def _contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -782,14 +797,7 @@ class GlooRules:
                 if buf is not t or divide:
                     fixups.append((t, buf, divide))
 
-        def post():
-            for t, buf, divide in fixups:
-                if divide:
-                    buf.div_(g.n, rounding_mode="trunc")
-                if buf is not t:
-                    t.copy_(buf)
-
-        return g.finish(h, works, post if fixups else None)
+        return g.finish(h, works, _copy_back(fixups, g.n))
 
     def broadcast(self, pg, tensors, root: int) -> HybridWork:
         g = self.g
@@ -825,14 +833,7 @@ class GlooRules:
                 if at_root and (buf is not t or divide):
                     fixups.append((t, buf, divide))
 
-        def post():
-            for t, buf, divide in fixups:
-                if divide:
-                    buf.div_(g.n, rounding_mode="trunc")
-                if buf is not t:
-                    t.copy_(buf)
-
-        return g.finish(h, works, post if fixups else None)
+        return g.finish(h, works, _copy_back(fixups, g.n))
 
     def allgather(self, pg, output_lists, inputs, coalesced: bool) -> HybridWork:
         """``coalesced``: output_lists[i][j] is member i's input j (else output_lists[t][j] is member j's input t)."""
