@@ -139,6 +139,7 @@ class HybridContext:
         self.boot_id = _boot_id()
         self.wall_offset = _wall_offset()
         self.groups: list[HybridGroup] = []
+        self.failed = False
         self._closed = False
         # Registered after torch's import, so it runs before torch's own teardown (atexit is LIFO).
         atexit.register(self.close)
@@ -205,7 +206,7 @@ class HybridContext:
         if self._closed:
             return
         self._closed = True
-        if self.groups and self._store is not None:
+        if self.groups and self._store is not None and not self.failed:
             try:
                 self._store.set(f"exit/{self.me}", "1")
                 self._store.wait([f"exit/{r}" for r in self.real_ranks], datetime.timedelta(seconds=grace))
@@ -456,7 +457,7 @@ class HybridOp:
     __slots__ = (
         "g", "tl", "fifo", "rec", "result", "seq", "meta_out", "meta_rows", "mine", "lazy", "post",
         "meta_done", "data_done", "resolved", "error", "completion", "scheduled", "meta_event",
-        "future", "_base", "_lock", "meta_work", "with_meta",
+        "future", "_base", "_armed", "_lock", "meta_work", "with_meta",
     )
 
     def __init__(self, g: HybridGroup, tl: Timeline, fifo: _Fifo, rec: OpRecord, result, seq: int):
@@ -471,6 +472,7 @@ class HybridOp:
         self.meta_event = threading.Event()
         self.future: torch.futures.Future | None = None
         self._base: torch.futures.Future | None = None
+        self._armed = False  # whether the base future has been handed to _arm (it completes once)
         self._lock = threading.Lock()
         self.meta_work = None
         self.with_meta = False
@@ -531,6 +533,7 @@ class HybridOp:
         """Remember the first failure, worded for the user."""
         if self.error is not None:
             return
+        self.g.ctx.failed = True  # a broken peer will not meet us at exit
         if isinstance(exc, RealRankError):
             self.error = exc
             return
@@ -578,9 +581,11 @@ class HybridOp:
         tl.place(rec, arrival)
 
     def _schedule(self) -> None:
-        self.scheduled.set()
+        # The future is armed exactly once: by whichever of _schedule and get_future comes second.
         with self._lock:
-            base = self._base
+            self.scheduled.set()
+            base = self._base if not self._armed else None
+            self._armed = self._armed or base is not None
         if base is not None:
             self._arm(base)
 
@@ -612,7 +617,8 @@ class HybridOp:
             # an error raised in a then-callback reaches it as a clean exception.
             self._base = base = torch.futures.Future()
             self.future = base.then(self._outcome)
-            armed = self.scheduled.is_set()
+            armed = self.scheduled.is_set() and not self._armed
+            self._armed = self._armed or armed
         if armed:
             self._arm(base)
         return self.future
