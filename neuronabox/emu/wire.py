@@ -280,7 +280,7 @@ def _make_work_class():
             self._done = threading.Event()
             # What the backend's coalescing group (_GroupWork) reads from the works it joins.
             self._rec, self._event, self._device = rec, None, None
-            self._future = None
+            self._future = self._chained = None
             self._error: BaseException | None = None
             self._lock = threading.Lock()
 
@@ -290,10 +290,7 @@ def _make_work_class():
                 self._done.set()
                 fut = self._future
             if fut is not None:
-                if error is None:
-                    fut.set_result(self._result)
-                else:
-                    fut.set_exception(error)
+                fut.set_result(None)  # the chained future returns the result or raises the error
 
         def wait(self, timeout=None) -> bool:
             """Block until the real transfer is over."""
@@ -339,14 +336,19 @@ def _make_work_class():
         def get_future(self) -> torch.futures.Future:
             """A future completed by the wire thread with the output tensors."""
             with self._lock:
-                if self._future is None:
+                if self._chained is None:
+                    # DDP's reducer crashes (torch 2.13) on a future failed with set_exception from
+                    # Python; an error raised in a then-callback reaches it as a clean exception.
                     self._future = torch.futures.Future()
+                    self._chained = self._future.then(self._outcome)
                     if self._done.is_set():
-                        if self._error is None:
-                            self._future.set_result(self._result)
-                        else:
-                            self._future.set_exception(self._error)
-                return self._future
+                        self._future.set_result(None)
+                return self._chained
+
+        def _outcome(self, _base):
+            if self._error is not None:
+                raise RuntimeError(f"nbox wire: {self.rec.op.value} failed: {self._error}") from self._error
+            return self._result
 
     return WireWork
 
