@@ -52,14 +52,27 @@ def child_env(topology_file: Path, topology: Topology, real_rank: int, record: P
     """The real rank's environment: torchrun's contract plus what the nbox backend needs."""
     env = dict(os.environ)
     env.update(prepare_env(topology, real_rank))
-    env[ENV_TOPOLOGY] = str(topology_file)
     env[ENV_REAL_RANK] = str(real_rank)
     env["NBOX_RECORD"] = str(record)
+    _add_backend(env, topology_file, model)
+    return env
+
+
+def _add_backend(env: dict[str, str], topology_file: Path, model: str | None) -> None:
+    # The child finds the emulated cluster through these and installs the nbox backend from the
+    # autostart sitecustomize at the head of its PYTHONPATH.
+    env[ENV_TOPOLOGY] = str(topology_file)
     if model:
         env[ENV_MODEL] = model
     paths = [str(AUTOSTART_DIR), str(_PACKAGE_PARENT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
+
+
+def _write_topology(folder: str, topology: Topology) -> Path:
+    """The effective topology (what-ifs applied) as the YAML file the child reads."""
+    path = Path(folder) / "topology.yaml"
+    path.write_text(yaml.safe_dump(_jsonable(topology.raw), sort_keys=False), encoding="utf-8")
+    return path
 
 
 def run_command(
@@ -77,8 +90,7 @@ def run_command(
     if not 0 <= real_rank < topology.world_size:
         raise InputError(f"--rank: rank {real_rank} is not in 0-{topology.world_size - 1}")
     with tempfile.TemporaryDirectory(prefix="nbox-run-") as tmp:
-        topo_file = Path(tmp) / "topology.yaml"
-        topo_file.write_text(yaml.safe_dump(_jsonable(topology.raw), sort_keys=False), encoding="utf-8")
+        topo_file = _write_topology(tmp, topology)
         record_file = Path(tmp) / "record.json"
         env = child_env(topo_file, topology, real_rank, record_file, model)
         env.update(extra_env or {})
@@ -128,14 +140,7 @@ def run_real_ranks(
         node_addr, enter = _cluster_node(env, topology, plan.real_ranks, cluster)
         plan = plan_launch(topology, options, node_addr)
     with tempfile.TemporaryDirectory(prefix="nbox-run-") as tmp:
-        topo_file = Path(tmp) / "topology.yaml"
-        topo_file.write_text(yaml.safe_dump(_jsonable(topology.raw), sort_keys=False), encoding="utf-8")
-        env[ENV_TOPOLOGY] = str(topo_file)
-        if model:
-            env[ENV_MODEL] = model
-        paths = [str(AUTOSTART_DIR), str(_PACKAGE_PARENT)]
-        paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env["PYTHONPATH"] = os.pathsep.join(paths)
+        _add_backend(env, _write_topology(tmp, topology), model)
         with enter:
             res = run_elastic(plan, command, env, Path(tmp))
     first = res.records[min(res.records)] if res.records else None
