@@ -445,6 +445,23 @@ def test_ping_and_udp_are_delayed_too_and_follow_nbox_shape_in_flight(pair):
     assert seqs == sorted(seqs)  # one flow: released in order
 
 
+def test_a_nodes_nic_address_is_delayed_like_its_node_address(pair):
+    # Users reach a node by whatever address they find in it (its NIC's, from `ip addr`), not
+    # only the node address of the plan: both must cross the route's delay.
+    call = agent(pair)
+    a, b = hosts(pair)
+    nic = next(end["addr"] for lk in call("/links") for end in (lk["a"], lk["b"])
+               if end["vertex"].startswith(b["node"] + "/") and end["addr"])
+    assert nic != b["address"]
+    call("/links/node0:0--switch", {"delay": "2ms"})
+    try:
+        for target in (b, {**b, "address": nic}):
+            rtt = low(ping_rtts(a, target, 20))
+            assert rtt >= 2 * 0.002 * 0.9, (target["address"], rtt)
+    finally:
+        call("/links/node0:0--switch", {"delay": 0})
+
+
 def test_jitter_keeps_the_stream_in_order(pair):
     call = agent(pair)
     a, b = hosts(pair)

@@ -128,7 +128,14 @@ class Agent:
     # ---- delays for the relay -----------------------------------------------------------
     def route_delays(self) -> dict[str, dict[str, Delays]]:
         """Per node namespace: destination address -> one-way delays of the route both ways."""
-        addr = {h["node"]: h["address"] for h in self.hosts}
+        # A node is reached at its node address and at each of its NICs' addresses: traffic to
+        # any of them crosses the same route, so each gets the route's delays.
+        addrs: dict[str, list[str]] = {h["node"]: [h["address"]] for h in self.hosts}
+        for lk in self.links.values():
+            for end in (lk["a"], lk["b"]):
+                node = end["vertex"].split("/", 1)[0]
+                if end.get("addr") and node in addrs and end["addr"] not in addrs[node]:
+                    addrs[node].append(end["addr"])
         ns_of = {h["node"]: h["ns"] for h in self.hosts}
         one_way: dict[tuple[str, str], tuple[float, float]] = {}
         for src, dst, hops in self.pair_links:
@@ -139,7 +146,8 @@ class Agent:
         for (src, dst), (d, j) in one_way.items():
             rd, rj = one_way.get((dst, src), (0.0, 0.0))
             if d or j or rd or rj:
-                table[ns_of[src]][addr[dst]] = Delays(d, rd, j, rj)
+                for a in addrs[dst]:
+                    table[ns_of[src]][a] = Delays(d, rd, j, rj)
         return table
 
     def needs_relay(self) -> set[str]:
