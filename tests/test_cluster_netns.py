@@ -679,7 +679,7 @@ def test_delay_change_applies_to_an_open_connection(pair):
             c.sendall(b"x")
             c.recv(1)
             xs.append(time.perf_counter() - t)
-        return sorted(xs)[12]
+        return low(xs)  # a delay adds to every round trip; a busy host (the suite's other work) only adds more
 
     try:
         slow = rtt()
@@ -687,7 +687,7 @@ def test_delay_change_applies_to_an_open_connection(pair):
         slower = rtt()
         print(f"\nsame connection: RTT {slow * 1e3:.2f} ms at 1 ms, {slower * 1e3:.2f} ms at 4 ms")
         assert slow == pytest.approx(0.002, abs=0.0005), (slow, slower)
-        assert slower == pytest.approx(0.008, abs=0.001), (slow, slower)
+        assert slower - slow == pytest.approx(0.006, abs=0.001), (slow, slower)
     finally:
         c.close()
         th.join(10)
