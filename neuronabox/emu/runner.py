@@ -75,6 +75,11 @@ def _write_topology(folder: str, topology: Topology) -> Path:
     return path
 
 
+def _require_command(command: Sequence[str]) -> None:
+    if not command:
+        raise InputError("nbox run: no command to run (usage: nbox run TOPOLOGY [OPTIONS] -- python train.py ARGS)")
+
+
 def run_command(
     topology: Topology,
     command: Sequence[str],
@@ -85,8 +90,7 @@ def run_command(
     extra_env: dict[str, str] | None = None,
 ) -> RunResult:
     """Run ``command`` as ``real_rank`` of ``topology`` (in its node of ``cluster`` if given); returns exit code and record."""
-    if not command:
-        raise InputError("nbox run: no command to run (usage: nbox run TOPOLOGY [OPTIONS] -- python train.py ARGS)")
+    _require_command(command)
     if not 0 <= real_rank < topology.world_size:
         raise InputError(f"--rank: rank {real_rank} is not in 0-{topology.world_size - 1}")
     with tempfile.TemporaryDirectory(prefix="nbox-run-") as tmp:
@@ -123,8 +127,7 @@ def run_real_ranks(
 
     from .elastic import plan_launch, run_elastic
 
-    if not command:
-        raise InputError("nbox run: no command to run (usage: nbox run TOPOLOGY [OPTIONS] -- python train.py ARGS)")
+    _require_command(command)
     if mode != "model":
         raise InputError(
             "--mode wire: not available with several real ranks (--nproc-per-node/--nnodes); use --mode model"
