@@ -123,6 +123,24 @@ def test_failing_command_exits_1_and_bad_input_exits_2(files, tmp_path):
     assert r.returncode == 0 and "nothing was emulated" in r.stdout
 
 
+def test_a_script_that_exits_with_ops_in_flight_exits_cleanly(files, tmp_path):
+    """Futures still pending at exit: the waker thread must not be killed inside torch's C++ (SIGABRT)."""
+    topo, _ = files
+    script = tmp_path / "exit_early.py"
+    script.write_text(textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1000)
+        futs = [dist.all_reduce(t.clone(), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+                for _ in range(300)]
+        """
+    ))
+    for _ in range(3):  # before the fix every run aborted
+        r = run_nbox("run", str(topo), "-q", "--", PY, str(script))
+        assert r.returncode == 0, r.stderr
+
+
 def _predicted_tail_growth(ops: list[dict], iteration: int, extra: float) -> float:
     """How much later the iteration's last collective ends if each one takes ``extra`` longer (FIFO chaining)."""
     its = sorted((o for o in ops if o["iteration"] == iteration and o["op"] == "all_reduce"), key=lambda o: o["seq"])

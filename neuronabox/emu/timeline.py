@@ -12,6 +12,7 @@ in later from device timestamps, so the CPU never waits for them.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import heapq
 import itertools
@@ -235,13 +236,21 @@ class Waker:
         self._cond = threading.Condition(threading.Lock())
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._stopped = False
 
     def at(self, deadline: float, callback: Callable[[float], None]) -> None:
         """Run ``callback(actual_time)`` at ``deadline`` (at once if it has passed)."""
         with self._cond:
+            if self._stopped:
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="nbox-waker", daemon=True)
                 self._thread.start()
+                # A callback completes a torch future, whose C++ then-callbacks call back into
+                # Python; a daemon thread doing that while the interpreter finalizes is killed
+                # inside C++ frames and the process aborts ("terminate called without an active
+                # exception") when a script exits with ops in flight. Stop it before that.
+                atexit.register(self.stop)
             heapq.heappush(self._heap, (deadline, next(self._seq), callback))
             if self._heap[0][0] == deadline:
                 self._cond.notify()
@@ -250,12 +259,24 @@ class Waker:
         """How many callbacks wait."""
         return len(self._heap)
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """Drop the callbacks still waiting and end the thread once the running one returns."""
+        with self._cond:
+            self._stopped = True
+            self._heap.clear()
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def _run(self) -> None:
         tune_thread_timer_slack()
         heap, cond = self._heap, self._cond
         while True:
             with cond:
                 while True:
+                    if self._stopped:
+                        return
                     if not heap:
                         cond.wait()
                         continue
