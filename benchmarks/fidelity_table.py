@@ -65,6 +65,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of each run")
     p.add_argument("--modes", default="model,wire")
     p.add_argument("--calibrate-sizes", default="4B:64MiB")
+    p.add_argument("--calibrate-budget", type=float, default=0.6,
+                   help="seconds of samples per size (nbox calibrate --budget): DDP's bucket sizes are noisy at 100 Mbit/s")
     p.add_argument("--no-twin", dest="twin", action="store_false",
                    help="no load twin (for a real system on separate machines; here it measures the sharing, not the emulator)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 10 steps, 3 warm-up, small calibration")
@@ -115,7 +117,8 @@ def main() -> int:
             try:
                 t0 = time.perf_counter()
                 lo, hi = parse_size_range(args.calibrate_sizes)
-                profile = run_calibration(topo, parse_ops("all_reduce,broadcast"), default_sizes(lo, hi), cluster=name)
+                profile = run_calibration(topo, parse_ops("all_reduce,broadcast"), default_sizes(lo, hi), cluster=name,
+                                          budget_s=args.calibrate_budget)
                 prof_file = tmpd / f"{key}.profile.json"
                 save_profile(profile, prof_file)
                 # The workflow a user follows: the topology names its profile (model calibrated by default).
@@ -123,7 +126,8 @@ def main() -> int:
                 ar = profile["ops"]["all_reduce"]
                 est = profile["link_estimate"]
                 print(f"[{key}] calibrated in {time.perf_counter() - t0:.0f} s: all-reduce {len(ar['segments'])} segments, "
-                      f"{est.get('all_reduce_payload_Bps', 0) * 8 / 1e6:.0f} Mbit/s, rms {ar['rms_rel_error']:.1%}", flush=True)
+                      f"{est.get('all_reduce_payload_Bps', 0) * 8 / 1e6:.0f} Mbit/s, rms {ar['rms_rel_error']:.1%}, "
+                      f"busy progress {(profile.get('busy_progress') or {}).get('rate', 1.0):.2f}", flush=True)
                 for model in models:
                     cmd = [sys.executable, str(script), "--arch", model, "--steps", str(args.steps)]
                     v = run_validation(topo_file, cmd, warmup=args.warmup, repeats=args.repeats, tolerance=0.01,
@@ -133,7 +137,8 @@ def main() -> int:
                            "model": v.model, "twin_ranks": v.twin_ranks,
                            "real_median_s": v.real.median_s, "real_p95_s": v.real.p95_s, "real_spread": v.real_spread,
                            "real_run_medians_s": v.real.run_medians_s,
-                           "calibration": {"all_reduce_segments": ar["segments"], "rms_rel_error": ar["rms_rel_error"]}}
+                           "calibration": {"all_reduce_segments": ar["segments"], "rms_rel_error": ar["rms_rel_error"],
+                                           "busy_progress": (profile.get("busy_progress") or {}).get("rate")}}
                     for m in v.modes:
                         row.setdefault("modes", {})[m.mode] = {"available": m.available, "why": m.why, "failed": m.failed, "median_s": m.median_s,
                                        "p95_s": m.p95_s, "error": m.error, "run_medians_s": m.run_medians_s,
@@ -224,7 +229,7 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         lines += ["", "**Smoke run (`--quick`): these figures show the script works, they are not a fidelity "
                       "measurement. Run the full command on a quiet machine for the record.**"]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    keep = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "quick", "calibrate_sizes", "twin")
+    keep = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "quick", "calibrate_sizes", "calibrate_budget", "twin")
             if hasattr(args, k)}
     doc = {"command": command, "seconds": seconds, "machine": machine, "modes": modes, "args": keep, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")

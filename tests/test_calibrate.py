@@ -142,10 +142,18 @@ def test_calibrated_model_answers_from_the_fit_and_scales_by_the_ring_closed_for
     monkeypatch.setenv("NBOX_PROFILE", str(path))
     m = create_model(TWO, "calibrated")
     ar = fits["all_reduce"]
+    # At the calibrated group size, inside the measured range: the measured points, interpolated
+    sizes, times, _ = two_regimes()
+    for i in (0, 10, len(sizes) - 1):
+        est = m.estimate(Op.ALL_REDUCE, sizes[i], [0, 1])
+        assert est.duration == pytest.approx(times[i], rel=1e-12) and est.algorithm == "calibrated measured"
+    mid = (sizes[10] + sizes[11]) // 2
+    want = times[10] + (times[11] - times[10]) * (mid - sizes[10]) / (sizes[11] - sizes[10])
+    assert m.estimate(Op.ALL_REDUCE, mid, [0, 1]).duration == pytest.approx(want, rel=1e-12)
+    # Outside it (broadcast was measured up to 1 MiB only in the fit, no table): the fitted line
     for s in (4, 4096, 1 << 20, 64 << 20):
-        assert m.estimate(Op.ALL_REDUCE, s, [0, 1]).duration == pytest.approx(ar.time(s), rel=1e-12)
-    assert m.estimate(Op.ALL_REDUCE, 4, [0, 1]).algorithm == "calibrated s0"
-    assert m.estimate(Op.ALL_REDUCE, 64 << 20, [0, 1]).algorithm == "calibrated s1"
+        assert m.estimate(Op.BROADCAST, s, [0, 1]).duration == pytest.approx(fits["broadcast"].time(s), rel=1e-12)
+    assert m.estimate(Op.BROADCAST, 4, [0, 1]).algorithm.startswith("calibrated s")
     # 16 ranks on 8 nodes: the segment's alpha and B in 2(n-1) alpha + 2(n-1)/n S/B
     m8 = create_model(EIGHT, "calibrated")
     seg = ar.segment(64 << 20)

@@ -123,7 +123,7 @@ def calibrate(
     sizes: str = typer.Option("4B:256MiB", "--sizes", help="MIN:MAX message sizes."),
     step: float = typer.Option(2.0, "--step", help="Multiply the size by this each step."),
     ops: str = typer.Option("all", "--ops", help="Comma list of collectives, or all (what gloo runs among real ranks)."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Write the profile here (default: <topology>.profile.json)."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Write the profile here (default: the file emulation.profile names, else <topology>.profile.json beside it)."),
     max_op_time: str = typer.Option("500ms", "--max-op-time", help="Stop an op's sweep after the first size slower than this."),
     budget: str = typer.Option("150ms", "--budget", help="Measuring time per size (at least 3 samples)."),
     write_topology: bool = typer.Option(
@@ -134,6 +134,7 @@ def calibrate(
 
     from ..fidelity.calibrate import (
         default_sizes,
+        load_for_calibration,
         parse_ops,
         parse_size_range,
         profile_reference,
@@ -149,8 +150,8 @@ def calibrate(
         max_op_s, budget_s = parse_duration(max_op_time), parse_duration(budget)
     except UnitError as exc:
         raise InputError(f"--max-op-time/--budget: {exc}") from None
-    topo = load(topology)
-    out = profile or Path(f"{topology.stem}.profile.json")
+    topo, default_out = load_for_calibration(topology)
+    out = profile or default_out
     doc = run_calibration(topo, op_list, default_sizes(lo, hi, step), max_op_s=max_op_s, budget_s=budget_s,
                           progress=lambda m: console.print(f"[dim]{m}[/dim]"))
     save_profile(doc, out)

@@ -161,17 +161,23 @@ class NboxWork(dist.Work):
             return True
         rec = self._rec
         now = clock()
-        if now < rec.end:
+        coupled = rec.coupled
+        if now < rec.end or (coupled is not None and not coupled.settle(rec)):
             limit = timeout.total_seconds() if timeout else 0.0
-            if limit > 0 and rec.end - now > limit:
-                sleep_until(now + limit)
-                rec.wait += clock() - now
-                raise RuntimeError(
-                    f"nbox: {rec.op.value} on {rec.comm} timed out after {limit:.3f}s "
-                    f"(it finishes {rec.end - now:.3f}s after the wait began)"
-                )
             tune_thread_timer_slack()
-            sleep_until(rec.end)
+            while True:
+                if limit > 0 and rec.end - now > limit:
+                    sleep_until(now + limit)
+                    rec.wait += clock() - now
+                    raise RuntimeError(
+                        f"nbox: {rec.op.value} on {rec.comm} timed out after {limit:.3f}s "
+                        f"(it finishes {rec.end - now:.3f}s after the wait began)"
+                    )
+                sleep_until(rec.end)
+                # A host-coupled op's end assumed an idle host; while we slept it was, so one
+                # more settle normally finds it done (other threads may have computed meanwhile).
+                if coupled is None or coupled.settle(rec):
+                    break
             after = clock()
             rec.wait += after - now
             if rec.completed is None:
@@ -191,7 +197,12 @@ class NboxWork(dist.Work):
         """Whether the modeled finish time has passed (CUDA: whether the device got there)."""
         if self._event is not None:
             return self._event.query()
-        return self._done or clock() >= self._rec.end
+        rec = self._rec
+        if self._done:
+            return True
+        if rec.coupled is not None:
+            return clock() >= rec.end and rec.coupled.settle(rec)
+        return clock() >= rec.end
 
     def is_success(self) -> bool:
         """Emulated ops never fail."""
@@ -219,16 +230,20 @@ class NboxWork(dist.Work):
         fut = torch.futures.Future()
         self._future = fut
         rec, result = self._rec, self._result
-        if clock() >= rec.end:
+        coupled, waker = rec.coupled, self._emu.waker
+        if clock() >= rec.end and (coupled is None or coupled.settle(rec)):
             fut.set_result(result)
         else:
 
             def complete(now: float) -> None:
+                if coupled is not None and not coupled.settle(rec):
+                    waker.at(rec.end, complete)  # the host computed meanwhile: the end moved
+                    return
                 if rec.completed is None:
                     rec.completed = now
                 fut.set_result(result)
 
-            self._emu.waker.at(rec.end, complete)
+            waker.at(rec.end, complete)
         return fut
 
 

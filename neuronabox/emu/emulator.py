@@ -16,6 +16,7 @@ from pathlib import Path
 from ..collectives import Op
 from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
+from .host_coupling import HostCoupling, busy_rate_from_profile
 from .straggler import ComputeSkew, compute_factors
 from .timeline import Recorder, StragglerHook, Timeline, Waker
 
@@ -89,6 +90,11 @@ class Emulator:
             if real_rank not in self.real_ranks:
                 raise ValueError(f"real rank {real_rank} is not among the real ranks {self.real_ranks}")
             self.hybrid = HybridContext.from_env(self, self.real_ranks)
+        # Host coupling (host_coupling.py): a calibrated CPU library's ops crawl while this process
+        # computes. Model mode only: wire and hybrid ops spend the real CPU themselves.
+        rate = busy_rate_from_profile(getattr(self.model, "profile", None))
+        self.busy_rate: float | None = rate if (rate is not None and rate < 1.0 and self.wire is None
+                                                and self.hybrid is None) else None
 
     def new_timeline(self, group: Group, kind: str = "comm") -> Timeline:
         """A fresh communicator timeline: two process groups over the same ranks are still two NCCL communicators."""
@@ -96,6 +102,10 @@ class Emulator:
             tl = Timeline(f"{kind}{next(self._names)}", group, self.model, self.recorder, self.straggler)
             if self.contention:
                 tl.contention = self._contended
+            if self.busy_rate is not None:
+                tl.coupling = HostCoupling(self.busy_rate)
+            if self.topology.emulation.library == "gloo" and self.wire is None and self.hybrid is None:
+                tl.slots = GLOO_THREADS
             self.timelines.append(tl)
         return tl
 
@@ -110,6 +120,10 @@ class Emulator:
         batch.append(Collective(op, nbytes, timeline.group, root))
         est = self.model.estimate_concurrent(batch)[-1]
         return float(est.duration), est.algorithm
+
+
+# torch's ProcessGroupGloo runs a group's ops on this many worker threads (Options.threads).
+GLOO_THREADS = 2
 
 
 def sees_contention(model: CommModel) -> bool:

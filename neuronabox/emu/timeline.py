@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 from ..collectives import Op
 from ..model.base import CommModel, Group
 from ..stats import percentile
+from .host_coupling import HostCoupling
 
 __all__ = [
     "clock",
@@ -55,7 +56,7 @@ class OpRecord:
     __slots__ = (
         "seq", "comm", "op", "group", "nbytes", "root", "algorithm", "iteration",
         "enqueue", "ready", "start", "end", "duration", "extra",
-        "wait", "completed", "device", "device_slot",
+        "wait", "completed", "device", "device_slot", "coupled",
     )
 
     def __init__(self, seq, comm, op, group, nbytes, root, algorithm, iteration, enqueue, duration, extra):
@@ -77,6 +78,7 @@ class OpRecord:
         self.completed: float | None = None  # when the emulator actually signalled completion (CPU path)
         self.device: str | None = None  # "cuda:0" for device-timed ops
         self.device_slot: object = None  # where cuda_wait stored the device timestamps
+        self.coupled: Timeline | None = None  # set when the end moves with host compute (host_coupling)
 
     @property
     def lateness(self) -> float | None:
@@ -314,6 +316,11 @@ class Timeline:
         self._lock = threading.Lock()
         self.device_state: dict = {}  # per-device streams and buffers of cuda_wait
         self.contention: ContentionHook | None = None
+        self.coupling: HostCoupling | None = None  # CPU libraries: ops crawl while the host computes
+        # Ops in flight at once. NCCL: 1 (one stream, FIFO). Gloo: a process group has 2 worker
+        # threads, so a second op runs beside the first; their latency parts overlap and only
+        # the transfers queue on the link: ``end = max(start + t, previous end + t - latency)``.
+        self.slots = 1
         # The last few host-timed ops: by FIFO order, the one in flight at any recent time is among them.
         self.recent: deque[OpRecord] = deque(maxlen=4)
 
@@ -343,6 +350,10 @@ class Timeline:
                 self._cache[key] = hit
         return hit
 
+    def latency_part(self, op: Op, root: int = 0) -> float:
+        """The size-independent part of ``op``'s time: the modeled time of a 4-byte one."""
+        return self.estimate(op, 4, root)[0]
+
     def _record(self, op: Op, nbytes: int, root: int, now: float) -> OpRecord:
         duration, algorithm = self.estimate(op, nbytes, root)
         extra = self.straggler(op, nbytes, self.group) if self.straggler is not None else 0.0
@@ -355,17 +366,40 @@ class Timeline:
         r = self._record(op, nbytes, root, now)
         r.ready = now if ready is None else ready
         with self._lock:
+            coupling = self.coupling
+            if coupling is not None:
+                self.last_end = max(self.last_end, coupling.settle(now))
             # A straggler delays the start (every rank must arrive), not the transfer.
-            r.start = max(r.ready + r.extra, self.last_end)
+            prev_end = self.last_end
+            if self.slots == 1:
+                r.start = max(r.ready + r.extra, prev_end)
+            else:
+                recent = self.recent
+                free = recent[-self.slots].end if len(recent) >= self.slots else float("-inf")
+                r.start = max(r.ready + r.extra, free)
             if self.contention is not None:
                 hit = self.contention(self, op, nbytes, root, r.start)
                 if hit is not None:
                     r.duration, r.algorithm = hit
-            r.end = r.start + r.duration
+            overlap = 0.0
+            if prev_end > r.start:  # only with slots > 1: the previous op is still running
+                overlap = min(self.latency_part(op, root), prev_end - r.start, r.duration)
+            if coupling is not None:
+                r.coupled = self
+                coupling.admit(r, prev_end, r.duration - overlap)
+            else:
+                r.end = max(r.start + r.duration, prev_end + r.duration - overlap)
             self.last_end = r.end
             self.recent.append(r)
         self.recorder.add(r)
         return r
+
+    def settle(self, r: OpRecord) -> bool:
+        """Host-coupled ops: account progress up to now; True when ``r`` is done (else ``r.end`` is its new tentative end)."""
+        coupling = self.coupling
+        with self._lock:
+            self.last_end = max(self.last_end, coupling.settle(clock()))
+            return coupling.done(r)
 
     def place(self, r: OpRecord, arrival: float) -> None:
         """Fix the start and end of a recorded op whose arrival is known only now (hybrid ops), after the previous op.

@@ -56,6 +56,7 @@ __all__ = [
     "load_profile",
     "profile_reference",
     "write_profile_field",
+    "load_for_calibration",
     "run_calibration",
 ]
 
@@ -504,6 +505,35 @@ class WorkerPlan:
     max_samples: int = 15
     out: str = ""
     extra: dict = field(default_factory=dict)
+    busy_repeats: int = 7  # samples of the busy-progress measurement (0: skip it)
+    busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
+
+
+def load_for_calibration(path: Path):
+    """The topology to calibrate and where its profile goes: the file ``emulation.profile`` names, else ``<topology>.profile.json`` beside it.
+
+    A named profile that does not exist yet is what this run is about to write, so it is no error here.
+    """
+    import yaml
+
+    from ..topology import load_topology, parse_topology
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        raw = None  # load_topology names the problem
+    emu = raw.get("emulation") if isinstance(raw, dict) else None
+    named = emu.get("profile") if isinstance(emu, dict) else None
+    if isinstance(named, str) and named:
+        target = Path(named).expanduser()
+        if not target.is_absolute():
+            target = path.resolve().parent / target
+        if not target.exists():
+            emu = {k: v for k, v in emu.items() if k != "profile"}
+            return parse_topology(yaml.safe_dump({**raw, "emulation": emu}, sort_keys=False), str(path)), target
+        return load_topology(path), target
+    return load_topology(path), path.with_name(f"{path.stem}.profile.json")
 
 
 def run_calibration(
@@ -554,7 +584,10 @@ def run_calibration(
             fits[op_name] = OpFit(op_name, n, [seg], 0.0, 0.0)
     meta = {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
             "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
-    return make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta)
+    profile = make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta)
+    if measured.get("busy_progress"):
+        profile["busy_progress"] = measured["busy_progress"]
+    return profile
 
 
 class _CalibrationFailed(InputError):
@@ -620,9 +653,58 @@ def _worker(plan_path: str) -> None:
                 break
         if rows:
             results[op.value] = rows
+    busy = None
+    if plan.busy_repeats > 0 and results.get(Op.ALL_REDUCE.value):
+        busy = _busy_progress(plan, results[Op.ALL_REDUCE.value], decide)
+        if rank == 0:
+            print(f"busy progress: rate {busy['rate']:.3f} at {busy['size']} B "
+                  f"(idle {busy['idle_s'] * 1e3:.2f} ms, computing {busy['compute_s'] * 1e3:.2f} ms)", flush=True)
     if rank == 0:
-        Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated}))
+        Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated,
+                                              "busy_progress": busy}))
     dist.destroy_process_group()
+
+
+def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
+    """How fast an all-reduce progresses while every rank computes, relative to idle ranks (0..1).
+
+    A sample: all ranks start an async all-reduce of S bytes, compute (matrix products on the
+    main thread) for ``Tc`` = half its idle time ``W``, then wait; the op took ``T``. Work left
+    after computing was ``W - r·Tc``, so ``T = Tc + W - r·Tc`` and ``r = 1 - (T - W)/Tc``.
+    Idle and busy samples alternate, so drift hits both; the rate is the median.
+    """
+    import torch
+    import torch.distributed as dist
+
+    # The smallest measured size whose all-reduce lasts the target: long enough to time well.
+    size = next((r["size"] for r in rows if r["time_s"] >= plan.busy_target_s), rows[-1]["size"])
+    x = torch.ones(max(1, size // 4))
+    a = torch.randn(128, 128)
+
+    def compute(until: float) -> None:
+        while time.perf_counter() < until:
+            torch.mm(a, a)
+
+    idle, busy, rates = [], [], []
+    dist.all_reduce(x)
+    for _ in range(plan.busy_repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        idle.append(decide([time.perf_counter() - t])[0])
+        w = statistics.median(idle)
+        tc = w / 2
+        dist.barrier()
+        t = time.perf_counter()
+        work = dist.all_reduce(x, async_op=True)
+        compute(t + tc)
+        work.wait()
+        took = decide([time.perf_counter() - t])[0]
+        busy.append(took)
+        rates.append(max(0.0, min(1.0, 1.0 - (took - w) / tc)))
+    w = statistics.median(idle)
+    return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": w / 2,
+            "idle_samples": idle, "busy_samples": busy, "rates": rates}
 
 
 def _op_call(op: Op, size: int, rank: int, n: int):

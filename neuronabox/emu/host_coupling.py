@@ -1,0 +1,122 @@
+"""CPU-driven collectives: an op moves slower while its rank's host computes.
+
+A CPU library (gloo over TCP) needs the host's CPU to make progress: its threads copy,
+reduce and push bytes through the kernel (and, in an ``nbox up`` cluster, through the delay
+relay). While the training thread holds the core (backward), a gradient all-reduce launched
+early crawls and finishes only once the core is free; measured on the 2-core machine at
+10 Gbit/s, DDP's all-reduce was almost fully hidden in model mode and 10-13 ms exposed in
+the real system. NCCL on a GPU does not share the host core, so there the rate is 1.
+
+The rule: an op needs ``duration`` seconds of progress (its modeled time on an idle host).
+It progresses at rate 1 while the process is idle and at rate ``busy_rate`` while it
+computes, judged by the process's CPU time: over an interval where the process used
+``c`` CPU-seconds of ``dt`` wall seconds, the rate is ``1 - min(1, c/dt)·(1 - busy_rate)``.
+``nbox calibrate`` measures ``busy_rate`` on the real ranks (profile field ``busy_progress``).
+
+No thread polls: the timeline settles progress when an op is issued and when a tentative end
+is reached (an end assumes an idle host from the last settle on, so it is never late; if the
+host computed meanwhile, the end moves later and the waiter sleeps again). The accounting is
+exact in total because progress is linear in CPU time over an interval.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .timeline import OpRecord
+
+__all__ = ["HostCoupling", "busy_rate_from_profile", "MIN_RATE"]
+
+# A floor: with rate 0 an op issued during a long compute phase would need one settle per
+# tentative end until the phase ends; 2% keeps the count bounded and is below what was measured.
+MIN_RATE = 0.02
+# Progress short of the need by less than this counts as done: the waiting thread's own wake-up
+# CPU would otherwise leave a few microseconds and cost another sleep.
+EPS = 20e-6
+
+
+def busy_rate_from_profile(profile: dict | None) -> float | None:
+    """The calibrated progress rate under compute (``busy_progress.rate``), if the profile has one."""
+    if not profile:
+        return None
+    bp = profile.get("busy_progress")
+    if not isinstance(bp, dict) or bp.get("rate") is None:
+        return None
+    return max(MIN_RATE, min(1.0, float(bp["rate"])))
+
+
+class HostCoupling:
+    """Per-communicator progress accounting of host-timed ops (FIFO, like the timeline)."""
+
+    def __init__(self, busy_rate: float, cpu_clock=time.process_time):
+        self.busy_rate = max(MIN_RATE, min(1.0, busy_rate))
+        self._cpu = cpu_clock
+        self.pending: deque[OpRecord] = deque()
+        self._left: dict[int, float] = {}  # seq -> seconds of idle-host progress still needed
+        self._mark_t: float | None = None
+        self._mark_cpu = 0.0
+        self.settles = 0  # how often progress was settled (a cost figure for benchmarks)
+
+    def admit(self, r: "OpRecord", prev_end: float, work: float | None = None) -> float:
+        """Queue ``r`` behind the op ending at ``prev_end``; it needs ``work`` (default its duration) of progress; returns its end."""
+        r.start = max(r.start, prev_end)
+        left = r.duration if work is None else work
+        r.end = r.start + left
+        self.pending.append(r)
+        self._left[r.seq] = left
+        return r.end
+
+    def settle(self, now: float) -> float:
+        """Account progress up to ``now``; fix or move the ends of pending ops; returns the last end."""
+        self.settles += 1
+        cpu = self._cpu()
+        if self._mark_t is None or now <= self._mark_t:
+            if self._mark_t is None:
+                self._mark_t, self._mark_cpu = now, cpu
+            return self._chain(now)
+        dt = now - self._mark_t
+        busy = min(1.0, max(0.0, (cpu - self._mark_cpu) / dt))
+        rate = 1.0 - busy * (1.0 - self.busy_rate)
+        t = self._mark_t
+        pending, left = self.pending, self._left
+        while pending:
+            h = pending[0]
+            seg = max(t, h.start)
+            if seg >= now:
+                break
+            need = left[h.seq]
+            can = rate * (now - seg)
+            if can >= need - EPS:
+                h.end = seg + max(0.0, need) / rate
+                pending.popleft()
+                del left[h.seq]
+                t = h.end
+                if pending:
+                    nxt = pending[0]
+                    nxt.start = max(nxt.start, h.end)
+                continue
+            left[h.seq] = need - can
+            break
+        self._mark_t, self._mark_cpu = now, cpu
+        return self._chain(now)
+
+    def _chain(self, now: float) -> float:
+        # Tentative ends: the head finishes its remaining work from now on an idle host; the
+        # ones behind it follow in FIFO order.
+        last = float("-inf")
+        for i, r in enumerate(self.pending):
+            left = self._left[r.seq]
+            if i == 0 and r.start <= now:
+                r.end = now + left
+            else:
+                r.start = max(r.start, last)
+                r.end = r.start + left
+            last = r.end
+        return last
+
+    def done(self, r: "OpRecord") -> bool:
+        """Whether ``r`` has finished (as of the last settle)."""
+        return r.seq not in self._left
