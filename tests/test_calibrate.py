@@ -195,3 +195,38 @@ def test_link_estimate_takes_the_median_large_size_bandwidth():
     assert est["ops"] == ["all_reduce", "broadcast"] and est["payload_Bps"] == pytest.approx(11.5e6)
     assert est["all_reduce_payload_Bps"] == pytest.approx(11e6)
     assert math.isclose(est["wire_Bps"], est["payload_Bps"] * 1514 / 1448)
+
+
+def test_calibrate_writes_the_profile_the_topology_names_even_before_it_exists(tmp_path):
+    from neuronabox.fidelity.calibrate import load_for_calibration
+
+    base = "name: c\ncluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}\n"
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(base)
+    topo, out = load_for_calibration(plain)
+    assert topo.world_size == 2 and out == tmp_path / "plain.profile.json"  # beside it, not in the cwd
+    named = tmp_path / "named.yaml"
+    named.write_text(base + "emulation: {library: gloo, profile: profiles/p.json}\n")
+    topo, out = load_for_calibration(named)  # the profile is what this run is about to write
+    assert out == tmp_path / "profiles" / "p.json" and topo.emulation.library == "gloo"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(base.replace("nodes: 2", "nodes: -1") + "emulation: {profile: p.json}\n")
+    with pytest.raises(InputError, match="nodes"):
+        load_for_calibration(bad)
+
+
+def test_busy_progress_in_a_profile_reaches_the_emulator(tmp_path, monkeypatch):
+    from neuronabox.emu.emulator import Emulator
+
+    path, _ = synthetic_profile(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["busy_progress"] = {"rate": 0.05}
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv("NBOX_PROFILE", str(path))
+    gloo = topo("cluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}\n"
+                "emulation: {library: gloo}\n")
+    emu = Emulator(gloo, 0, "calibrated")
+    assert emu.busy_rate == 0.05
+    tl = emu.new_timeline((0, 1))
+    assert tl.coupling is not None and tl.coupling.busy_rate == 0.05 and tl.slots == 2
+    assert Emulator(gloo, 0, "alpha-beta").busy_rate is None  # no profile, no coupling
