@@ -30,7 +30,9 @@ def topology(bw: str, lat: str, name: str) -> str:
     """A 2-node gloo cluster on one switch, alpha-beta ring."""
     return (f"name: {name}\ncluster: {{nodes: 2, device: cpu}}\nintra_node: {{fabric: shm}}\n"
             f"network: {{type: switch, link: {{bandwidth: {bw}, latency: {lat}}}}}\n"
-            "emulation: {library: gloo, model: alpha-beta, algorithm: ring}\n")
+            # gloo_threads 1: wire mode moves a group's ops one at a time, so model
+            # mode is asked for the same (by default it runs two at once, as gloo does)
+            "emulation: {library: gloo, model: alpha-beta, algorithm: ring, gloo_threads: 1}\n")
 
 
 def run_once(yaml: Path, report: Path, steps: int, width: int, extra: list[str]) -> float:

@@ -154,7 +154,8 @@ def test_an_all_reduce_crawls_while_the_rank_computes(emulate_const, how):
     assert r.end - r.start == pytest.approx(0.067, abs=0.010) and r.duration == pytest.approx(0.040)
 
 
-@pytest.mark.parametrize("library, ends", [("nccl", [1, 2, 3]), ("gloo", [1, 1, 2])])
+@pytest.mark.parametrize("library, ends", [("nccl", [1, 2, 3]), ("gloo", [1, 1, 2]), ("gloo, gloo_threads: 1", [1, 2, 3]),
+                                            ("gloo, gloo_threads: 3", [1, 1, 1])])
 def test_gloo_runs_two_ops_of_a_group_at_once(emulate_const, library, ends):
     """Gloo's two worker threads: a second op's latency overlaps the first; a third waits for a thread."""
     api = emulate_const(0.020, None, library)  # a constant model: all of an op's time is latency

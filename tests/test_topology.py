@@ -126,6 +126,7 @@ BAD = [
     ("cluster: {nodes: 2}\nnetwork: {type: links, link: {bandwidth: 1Gbps}, links: [{endpoints: [node0, node1], bandwidth: 1}]}\n", "network.links[0].bandwidth", "1"),
     ("cluster: {nodes: 2}\n" + BASE_NET + "colour: blue\n", "colour", "unknown field"),
     ("network: {type: switch, link: {bandwidth: 1Gbps}}\n", "cluster", "required"),
+    ("cluster: {nodes: 2}\n" + BASE_NET + "emulation: {library: gloo, gloo_threads: 0}\n", "emulation.gloo_threads", "0"),
 ]
 
 

@@ -76,7 +76,9 @@ def topology_yaml(tmp_path, name: str, nodes: int, bw: str, lat: str) -> str:
     p = tmp_path / f"{name}.yaml"
     p.write_text(f"name: {name}\ncluster: {{nodes: {nodes}, device: cpu}}\nintra_node: {{fabric: shm}}\n"
                  f"network: {{type: switch, link: {{bandwidth: {bw}, latency: {lat}}}}}\n"
-                 "emulation: {library: gloo, model: alpha-beta, algorithm: ring}\n")
+                 # gloo_threads 1: wire mode moves a group's ops one at a time, so model
+                 # mode is asked for the same (by default it runs two at once, as gloo does)
+                 "emulation: {library: gloo, model: alpha-beta, algorithm: ring, gloo_threads: 1}\n")
     return str(p)
 
 

@@ -105,7 +105,7 @@ class Emulator:
             if self.busy_rate is not None:
                 tl.coupling = HostCoupling(self.busy_rate)
             if self.topology.emulation.library == "gloo" and self.wire is None and self.hybrid is None:
-                tl.slots = GLOO_THREADS
+                tl.slots = self.topology.emulation.gloo_threads
             self.timelines.append(tl)
         return tl
 
@@ -120,10 +120,6 @@ class Emulator:
         batch.append(Collective(op, nbytes, timeline.group, root))
         est = self.model.estimate_concurrent(batch)[-1]
         return float(est.duration), est.algorithm
-
-
-# torch's ProcessGroupGloo runs a group's ops on this many worker threads (Options.threads).
-GLOO_THREADS = 2
 
 
 def sees_contention(model: CommModel) -> bool:

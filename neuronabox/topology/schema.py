@@ -197,6 +197,11 @@ class Emulation(_Strict):
     protocol: Literal["auto", "LL", "LL128", "Simple"] = "auto"
     model: str = Field("alpha-beta", description="delay model: alpha-beta, nccl, flow, or a plugin's name")
     nccl_version: str = Field("2.28", description="NCCL release whose tuning constants the nccl model uses")
+    gloo_threads: int = Field(
+        2, ge=1, le=64, strict=True,
+        description="worker threads per gloo process group (torch's ProcessGroupGloo Options.threads): with library "
+        "gloo, model mode runs this many ops of a group at once; 1 makes it FIFO like NCCL's one stream",
+    )
     profile: str | None = Field(
         None,
         description="calibration profile (written by nbox calibrate) that model calibrated reads; a path, relative "
