@@ -166,3 +166,99 @@ def test_gloo_runs_two_ops_of_a_group_at_once(emulate_const, library, ends):
     ops = api.recorder().ops[-3:]
     t0 = ops[0].start
     assert [round((r.end - t0) / 0.020) for r in ops] == ends
+
+
+# ---- footprint: the op's CPU spent for real, competing with the training thread ------------------
+def test_footprint_spends_the_cost_in_cpu_time_and_completes_after_it():
+    from neuronabox.emu.footprint import Footprint
+
+    fp = Footprint(0.0, 0.0)
+    a, b = rec(0, 0.0, 0.0), rec(1, 0.0, 0.0)
+    a.end = b.end = 0.0
+    t = time.perf_counter()
+    fp.charge(a, 0.030)
+    fp.charge(b, 0.010)
+    seen = []
+    fp.when_done(b, seen.append)
+    fp.wait(b)  # FIFO: b's CPU comes after a's
+    took = time.perf_counter() - t
+    assert fp.done(a) and fp.done(b) and len(seen) == 1
+    assert fp.spent == pytest.approx(0.040, abs=0.003)
+    assert took >= 0.039 and a.end <= b.end
+    fp.stop()
+
+
+def test_footprint_cost_scales_by_the_bytes_each_rank_moves():
+    from neuronabox.emu.footprint import Footprint, cpu_cost_from_profile
+
+    assert cpu_cost_from_profile({"cpu_cost": {"per_op_s": 1e-4, "per_byte_s": 2e-9}}) == (1e-4, 2e-9)
+    assert cpu_cost_from_profile({"busy_progress": {"rate": 0.5}}) is None
+    fp = Footprint(1e-4, 2e-9)
+    assert fp.cost(Op.ALL_REDUCE, 1 << 20, 2) == pytest.approx(1e-4 + 2e-9 * (1 << 20))
+    # all-gather moves (n-1)/n of the bytes, all-reduce 2(n-1)/n: half the per-byte cost
+    assert fp.cost(Op.ALL_GATHER, 1 << 20, 8) == pytest.approx(1e-4 + 1e-9 * (1 << 20))
+    assert fp.cost(Op.ALL_REDUCE, 1 << 20, 1) == 0.0
+
+
+def test_footprint_slows_compute_on_the_same_core(emulate_const):
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs sched_setaffinity")
+    from neuronabox.emu.footprint import Footprint
+
+    emu = emulate_const(0.001, None).current()
+    emu.footprint = Footprint(0.040, 0.0)  # every op costs 40 ms of CPU
+    for tl in emu.timelines:
+        tl.footprint = emu.footprint
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(old)})  # the footprint thread and this one share one core
+    try:
+        a = torch.randn(128, 128)
+        t = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t < 0.040:
+            torch.mm(a, a)
+            n += 1
+        alone = time.perf_counter() - t
+        x = torch.ones(16)
+        t = time.perf_counter()
+        w = dist.all_reduce(x, async_op=True)
+        for _ in range(n):  # the same work
+            torch.mm(a, a)
+        shared = time.perf_counter() - t
+        w.wait()
+        total = time.perf_counter() - t
+    finally:
+        os.sched_setaffinity(0, old)
+    # the core is shared: the compute takes longer, and the op ends after both are done (~80 ms)
+    assert shared > alone * 1.3
+    assert total == pytest.approx(alone + 0.040, rel=0.35)
+
+
+def test_the_footprint_s_own_cpu_does_not_count_as_compute():
+    """Otherwise a rank waiting on an op would count as computing while the footprint spins."""
+    from neuronabox.emu.emulator import Emulator
+    from neuronabox.model.base import CommModel, Estimate, Group
+    from neuronabox.topology import parse_topology
+
+    class Const(CommModel):
+        name = "const"
+        profile = {"busy_progress": {"rate": 0.1}, "cpu_cost": {"per_op_s": 0.030, "per_byte_s": 0.0}}
+
+        def estimate(self, op, nbytes, group, root=0):
+            return Estimate(0.001, "const")
+
+    topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 1Gbps, latency: 10us}}\n"
+                          "emulation: {library: gloo}\n")
+    emu = Emulator(topo, 0, Const(topo))
+    assert emu.busy_rate == 0.1 and emu.footprint is not None
+    tl = emu.new_timeline(Group.of((0, 1)))
+    assert tl.coupling is not None and tl.footprint is emu.footprint
+    c0, p0 = emu._compute_cpu(), time.process_time()
+    r = tl.schedule(Op.ALL_REDUCE, 64)
+    emu.footprint.wait(r)
+    spent = time.process_time() - p0
+    assert spent >= 0.028 and emu._compute_cpu() - c0 < 0.005
+    emu.footprint.stop()
+    emu.waker.stop()

@@ -182,6 +182,13 @@ class NboxWork(dist.Work):
             rec.wait += after - now
             if rec.completed is None:
                 rec.completed = after
+        fp = rec.footprint
+        if fp is not None and not fp.done(rec):
+            t = clock()
+            fp.wait(rec)  # the op's CPU is not spent yet: the core was busy with compute
+            after = clock()
+            rec.wait += after - t
+            rec.completed = after
         self._done = True
         return True
 
@@ -200,6 +207,8 @@ class NboxWork(dist.Work):
         rec = self._rec
         if self._done:
             return True
+        if rec.footprint is not None and not rec.footprint.done(rec):
+            return False
         if rec.coupled is not None:
             return clock() >= rec.end and rec.coupled.settle(rec)
         return clock() >= rec.end
@@ -230,14 +239,17 @@ class NboxWork(dist.Work):
         fut = torch.futures.Future()
         self._future = fut
         rec, result = self._rec, self._result
-        coupled, waker = rec.coupled, self._emu.waker
-        if clock() >= rec.end and (coupled is None or coupled.settle(rec)):
+        coupled, fp, waker = rec.coupled, rec.footprint, self._emu.waker
+        if clock() >= rec.end and (coupled is None or coupled.settle(rec)) and (fp is None or fp.done(rec)):
             fut.set_result(result)
         else:
 
             def complete(now: float) -> None:
                 if coupled is not None and not coupled.settle(rec):
                     waker.at(rec.end, complete)  # the host computed meanwhile: the end moved
+                    return
+                if fp is not None and not fp.done(rec):
+                    fp.when_done(rec, complete)  # its CPU is not spent yet
                     return
                 if rec.completed is None:
                     rec.completed = now

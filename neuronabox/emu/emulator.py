@@ -11,11 +11,13 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from pathlib import Path
 
 from ..collectives import Op
 from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
+from .footprint import Footprint, cpu_cost_from_profile
 from .host_coupling import HostCoupling, busy_rate_from_profile
 from .straggler import ComputeSkew, compute_factors
 from .timeline import Recorder, StragglerHook, Timeline, Waker
@@ -92,9 +94,16 @@ class Emulator:
             self.hybrid = HybridContext.from_env(self, self.real_ranks)
         # Host coupling (host_coupling.py): a calibrated CPU library's ops crawl while this process
         # computes. Model mode only: wire and hybrid ops spend the real CPU themselves.
-        rate = busy_rate_from_profile(getattr(self.model, "profile", None))
-        self.busy_rate: float | None = rate if (rate is not None and rate < 1.0 and self.wire is None
-                                                and self.hybrid is None) else None
+        profile = getattr(self.model, "profile", None)
+        modeled_cpu = self.wire is None and self.hybrid is None and topology.emulation.library == "gloo"
+        # Footprint (footprint.py): with a calibrated CPU cost, the op's CPU is spent for real on
+        # this rank's cores, so it slows the compute as gloo does; the busy rate still holds the
+        # op back while the compute holds the core (measured on the real ranks, with gloo's own
+        # CPU in the picture). NBOX_FOOTPRINT=0 turns the footprint off (a diagnostic switch).
+        cost = cpu_cost_from_profile(profile) if modeled_cpu and os.environ.get("NBOX_FOOTPRINT", "1") != "0" else None
+        self.footprint: Footprint | None = Footprint(*cost) if cost is not None else None
+        rate = busy_rate_from_profile(profile)
+        self.busy_rate: float | None = rate if (rate is not None and rate < 1.0 and modeled_cpu) else None
 
     def new_timeline(self, group: Group, kind: str = "comm") -> Timeline:
         """A fresh communicator timeline: two process groups over the same ranks are still two NCCL communicators."""
@@ -103,11 +112,17 @@ class Emulator:
             if self.contention:
                 tl.contention = self._contended
             if self.busy_rate is not None:
-                tl.coupling = HostCoupling(self.busy_rate)
+                tl.coupling = HostCoupling(self.busy_rate, self._compute_cpu)
+            tl.footprint = self.footprint
             if self.topology.emulation.library == "gloo" and self.wire is None and self.hybrid is None:
                 tl.slots = self.topology.emulation.gloo_threads
             self.timelines.append(tl)
         return tl
+
+    def _compute_cpu(self) -> float:
+        # The host's compute is the process's CPU less what the footprint thread spent for the ops.
+        spent = self.footprint.cpu_time() if self.footprint is not None else 0.0
+        return time.process_time() - spent
 
     def _contended(self, timeline: Timeline, op: Op, nbytes: int, root: int, start: float):
         # Ops of other communicators in flight at ``start`` share links with this one. The model

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 from ..collectives import Op
 from ..model.base import CommModel, Group
 from ..stats import percentile
+from .footprint import Footprint
 from .host_coupling import HostCoupling
 
 __all__ = [
@@ -56,7 +57,7 @@ class OpRecord:
     __slots__ = (
         "seq", "comm", "op", "group", "nbytes", "root", "algorithm", "iteration",
         "enqueue", "ready", "start", "end", "duration", "extra",
-        "wait", "completed", "device", "device_slot", "coupled",
+        "wait", "completed", "device", "device_slot", "coupled", "footprint",
     )
 
     def __init__(self, seq, comm, op, group, nbytes, root, algorithm, iteration, enqueue, duration, extra):
@@ -79,6 +80,7 @@ class OpRecord:
         self.device: str | None = None  # "cuda:0" for device-timed ops
         self.device_slot: object = None  # where cuda_wait stored the device timestamps
         self.coupled: Timeline | None = None  # set when the end moves with host compute (host_coupling)
+        self.footprint: Footprint | None = None  # set when the op also spends CPU for real (footprint)
 
     @property
     def lateness(self) -> float | None:
@@ -321,6 +323,7 @@ class Timeline:
         # threads, so a second op runs beside the first; their latency parts overlap and only
         # the transfers queue on the link: ``end = max(start + t, previous end + t - latency)``.
         self.slots = 1
+        self.footprint: Footprint | None = None  # CPU libraries with a calibrated CPU cost
         # The last few host-timed ops: by FIFO order, the one in flight at any recent time is among them.
         self.recent: deque[OpRecord] = deque(maxlen=4)
 
@@ -391,6 +394,9 @@ class Timeline:
                 r.end = max(r.start + r.duration, prev_end + r.duration - overlap)
             self.last_end = r.end
             self.recent.append(r)
+        if self.footprint is not None:
+            r.footprint = self.footprint
+            self.footprint.charge(r, self.footprint.cost(op, nbytes, self.group.size))
         self.recorder.add(r)
         return r
 

@@ -585,8 +585,9 @@ def run_calibration(
     meta = {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
             "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
     profile = make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta)
-    if measured.get("busy_progress"):
-        profile["busy_progress"] = measured["busy_progress"]
+    for key in ("busy_progress", "cpu_cost"):
+        if measured.get(key):
+            profile[key] = measured[key]
     return profile
 
 
@@ -659,10 +660,65 @@ def _worker(plan_path: str) -> None:
         if rank == 0:
             print(f"busy progress: rate {busy['rate']:.3f} at {busy['size']} B "
                   f"(idle {busy['idle_s'] * 1e3:.2f} ms, computing {busy['compute_s'] * 1e3:.2f} ms)", flush=True)
+    cpu = None
+    if plan.busy_repeats > 0 and results.get(Op.ALL_REDUCE.value):
+        cpu = _cpu_cost(results[Op.ALL_REDUCE.value], n, decide)
+        if rank == 0 and cpu:
+            print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.1f} us + {cpu['per_byte_s'] * 1e9:.3f} ns/B "
+                  f"(all-reduce)", flush=True)
     if rank == 0:
         Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated,
-                                              "busy_progress": busy}))
+                                              "busy_progress": busy, "cpu_cost": cpu}))
     dist.destroy_process_group()
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores; user, system, irq, softirq, steal)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = f.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
+    """CPU per rank that an all-reduce costs the machine (gloo threads, kernel TCP, the relay), as a line in the size.
+
+    Every rank of the calibration runs on this machine, so the machine's busy time while the
+    ranks run k ops, less the idle machine's own rate, over k·n is one rank's share. Measured
+    at up to three sizes that take 5-200 ms; each window lasts at least 0.6 s (the kernel
+    counts in 10 ms ticks).
+    """
+    import torch
+    import torch.distributed as dist
+
+    picks = [r for r in rows if 0.005 <= r["time_s"] <= 0.2]
+    if not picks:
+        return None
+    picks = [picks[0], picks[len(picks) // 2], picks[-1]] if len(picks) >= 3 else picks
+    t = time.perf_counter()
+    b = _machine_busy_s()
+    time.sleep(0.3)
+    base_rate = max(0.0, (_machine_busy_s() - b) / (time.perf_counter() - t))
+    base_rate = decide([base_rate])[0]
+    pts = []
+    for r in picks:
+        x = torch.ones(max(1, r["size"] // 4))
+        k = max(2, int(0.6 / r["time_s"]))
+        dist.barrier()
+        t, b = time.perf_counter(), _machine_busy_s()
+        for _ in range(k):
+            dist.all_reduce(x)
+        dist.barrier()
+        wall, busy = time.perf_counter() - t, _machine_busy_s() - b
+        per_rank = max(0.0, busy - base_rate * wall) / k / n
+        pts.append((float(x.numel() * 4), decide([per_rank])[0]))
+    if len(pts) == 1:
+        return {"per_op_s": 0.0, "per_byte_s": pts[0][1] / pts[0][0], "points": pts, "idle_rate": base_rate}
+    mean_s = sum(p[0] for p in pts) / len(pts)
+    mean_c = sum(p[1] for p in pts) / len(pts)
+    var = sum((p[0] - mean_s) ** 2 for p in pts)
+    slope = max(0.0, sum((p[0] - mean_s) * (p[1] - mean_c) for p in pts) / var) if var > 0 else 0.0
+    return {"per_op_s": max(0.0, mean_c - slope * mean_s), "per_byte_s": slope, "points": pts, "idle_rate": base_rate}
 
 
 def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
