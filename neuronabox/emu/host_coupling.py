@@ -9,8 +9,8 @@ the real system. NCCL on a GPU does not share the host core, so there the rate i
 
 The rule: an op needs ``duration`` seconds of progress (its modeled time on an idle host).
 It progresses at rate 1 while the process is idle and at rate ``busy_rate`` while it
-computes, judged by the process's CPU time: over an interval where the process used
-``c`` CPU-seconds of ``dt`` wall seconds, the rate is ``1 - min(1, c/dt)·(1 - busy_rate)``.
+computes, judged by the process's CPU time (less what the footprint thread spent for the
+ops, footprint.py): over an interval where the process used ``c`` CPU-seconds of ``dt`` wall seconds, the rate is ``1 - min(1, c/dt)·(1 - busy_rate)``.
 ``nbox calibrate`` measures ``busy_rate`` on the real ranks (profile field ``busy_progress``).
 
 No thread polls: the timeline settles progress when an op is issued and when a tentative end
