@@ -505,7 +505,7 @@ class WorkerPlan:
     max_samples: int = 15
     out: str = ""
     extra: dict = field(default_factory=dict)
-    busy_repeats: int = 7  # samples of the busy-progress measurement (0: skip it)
+    busy_repeats: int = 9  # samples of the busy-progress measurement (0: skip it)
     busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
 
 
@@ -725,9 +725,11 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     """How fast an all-reduce progresses while every rank computes, relative to idle ranks (0..1).
 
     A sample: all ranks start an async all-reduce of S bytes, compute (matrix products on the
-    main thread) for ``Tc`` = half its idle time ``W``, then wait; the op took ``T``. Work left
+    main thread) for ``Tc`` = its idle time ``W``, then wait; the op took ``T``. Work left
     after computing was ``W - r·Tc``, so ``T = Tc + W - r·Tc`` and ``r = 1 - (T - W)/Tc``.
-    Idle and busy samples alternate, so drift hits both; the rate is the median.
+    ``Tc = W`` spans r = 0..1 over T = 2W..W, so a few ms of noise in one sample moves r
+    little (with W/2 the rate at 100 Mbit/s swung between 0.6 and 1.0). Idle and busy samples
+    alternate, so drift hits both; the rate is the median.
     """
     import torch
     import torch.distributed as dist
@@ -749,7 +751,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
         dist.all_reduce(x)
         idle.append(decide([time.perf_counter() - t])[0])
         w = statistics.median(idle)
-        tc = w / 2
+        tc = w
         dist.barrier()
         t = time.perf_counter()
         work = dist.all_reduce(x, async_op=True)
@@ -759,7 +761,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
         busy.append(took)
         rates.append(max(0.0, min(1.0, 1.0 - (took - w) / tc)))
     w = statistics.median(idle)
-    return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": w / 2,
+    return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": w,
             "idle_samples": idle, "busy_samples": busy, "rates": rates}
 
 
