@@ -203,12 +203,12 @@ def test_calibrate_writes_the_profile_the_topology_names_even_before_it_exists(t
     base = "name: c\ncluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}\n"
     plain = tmp_path / "plain.yaml"
     plain.write_text(base)
-    topo, out = load_for_calibration(plain)
-    assert topo.world_size == 2 and out == tmp_path / "plain.profile.json"  # beside it, not in the cwd
+    topo, out, was_named = load_for_calibration(plain)
+    assert topo.world_size == 2 and out == tmp_path / "plain.profile.json" and not was_named  # beside it, not in the cwd
     named = tmp_path / "named.yaml"
     named.write_text(base + "emulation: {library: gloo, profile: profiles/p.json}\n")
-    topo, out = load_for_calibration(named)  # the profile is what this run is about to write
-    assert out == tmp_path / "profiles" / "p.json" and topo.emulation.library == "gloo"
+    topo, out, was_named = load_for_calibration(named)  # the profile is what this run is about to write
+    assert out == tmp_path / "profiles" / "p.json" and topo.emulation.library == "gloo" and was_named
     bad = tmp_path / "bad.yaml"
     bad.write_text(base.replace("nodes: 2", "nodes: -1") + "emulation: {profile: p.json}\n")
     with pytest.raises(InputError, match="nodes"):

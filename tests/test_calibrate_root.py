@@ -61,6 +61,7 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     busy, cpu = doc["busy_progress"], doc["cpu_cost"]
     assert 0.0 <= busy["rate"] <= 1.0 and len(busy["rates"]) == 9
     assert 0.1e-9 <= cpu["per_byte_s"] <= 20e-9 and cpu["per_op_s"] >= 0.0
+    assert "busy progress:" in r.stdout and "cpu cost per rank:" in r.stdout
     assert "wrote" in r.stdout and "all_reduce" in r.stdout
     # --write-topology: the file now names its profile (relative), and so uses model calibrated
     assert "set emulation.profile: profile.json" in r.stdout

@@ -150,7 +150,7 @@ def calibrate(
         max_op_s, budget_s = parse_duration(max_op_time), parse_duration(budget)
     except UnitError as exc:
         raise InputError(f"--max-op-time/--budget: {exc}") from None
-    topo, default_out = load_for_calibration(topology)
+    topo, default_out, named = load_for_calibration(topology)
     out = profile or default_out
     doc = run_calibration(topo, op_list, default_sizes(lo, hi, step), max_op_s=max_op_s, budget_s=budget_s,
                           progress=lambda m: console.print(f"[dim]{m}[/dim]"))
@@ -168,10 +168,19 @@ def calibrate(
                       f"[{format_size(s['lo'])}, {hi_s})", format_duration(s["alpha_s"]), bw,
                       f"{fit['rms_rel_error']:.1%}" if i == 0 else "")
     console.print(t)
+    busy, cpu = doc.get("busy_progress"), doc.get("cpu_cost")
+    if busy:
+        console.print(f"busy progress: an all-reduce of {format_size(busy['size'])} moves at {busy['rate']:.2f} of its idle "
+                      f"speed while the ranks compute (idle {busy['idle_s'] * 1e3:.2f} ms)")
+    if cpu:
+        console.print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.0f} us + {cpu['per_byte_s'] * 1e9:.2f} ns/B per all-reduce "
+                      f"(model mode spends it on the real rank's core)")
     for name, why in doc["unsupported"].items():
         console.print(f"[yellow]{name}: not measured ({why})[/yellow]")
     console.print(f"wrote {out}")
-    if write_topology:
+    if named and out.resolve() == default_out.resolve():
+        console.print(f"{topology} names this profile already (emulation.profile)")
+    elif write_topology:
         ref = write_profile_field(topology, out)
         console.print(f"set emulation.profile: {ref} in {topology}")
     else:

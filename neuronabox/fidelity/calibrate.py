@@ -510,7 +510,7 @@ class WorkerPlan:
 
 
 def load_for_calibration(path: Path):
-    """The topology to calibrate and where its profile goes: the file ``emulation.profile`` names, else ``<topology>.profile.json`` beside it.
+    """The topology to calibrate, where its profile goes (the file ``emulation.profile`` names, else ``<topology>.profile.json`` beside it), and whether the topology named it.
 
     A named profile that does not exist yet is what this run is about to write, so it is no error here.
     """
@@ -531,9 +531,9 @@ def load_for_calibration(path: Path):
             target = path.resolve().parent / target
         if not target.exists():
             emu = {k: v for k, v in emu.items() if k != "profile"}
-            return parse_topology(yaml.safe_dump({**raw, "emulation": emu}, sort_keys=False), str(path)), target
-        return load_topology(path), target
-    return load_topology(path), path.with_name(f"{path.stem}.profile.json")
+            return parse_topology(yaml.safe_dump({**raw, "emulation": emu}, sort_keys=False), str(path)), target, True
+        return load_topology(path), target, True
+    return load_topology(path), path.with_name(f"{path.stem}.profile.json"), False
 
 
 def run_calibration(
