@@ -654,15 +654,13 @@ def _worker(plan_path: str) -> None:
                 break
         if rows:
             results[op.value] = rows
-    busy = None
+    busy = cpu = None
     if plan.busy_repeats > 0 and results.get(Op.ALL_REDUCE.value):
         busy = _busy_progress(plan, results[Op.ALL_REDUCE.value], decide)
+        cpu = _cpu_cost(results[Op.ALL_REDUCE.value], n, decide)
         if rank == 0:
             print(f"busy progress: rate {busy['rate']:.3f} at {busy['size']} B "
                   f"(idle {busy['idle_s'] * 1e3:.2f} ms, computing {busy['compute_s'] * 1e3:.2f} ms)", flush=True)
-    cpu = None
-    if plan.busy_repeats > 0 and results.get(Op.ALL_REDUCE.value):
-        cpu = _cpu_cost(results[Op.ALL_REDUCE.value], n, decide)
         if rank == 0 and cpu:
             print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.1f} us + {cpu['per_byte_s'] * 1e9:.3f} ns/B "
                   f"(all-reduce)", flush=True)
@@ -712,13 +710,13 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
         wall, busy = time.perf_counter() - t, _machine_busy_s() - b
         per_rank = max(0.0, busy - base_rate * wall) / k / n
         pts.append((float(x.numel() * 4), decide([per_rank])[0]))
-    if len(pts) == 1:
-        return {"per_op_s": 0.0, "per_byte_s": pts[0][1] / pts[0][0], "points": pts, "idle_rate": base_rate}
-    mean_s = sum(p[0] for p in pts) / len(pts)
-    mean_c = sum(p[1] for p in pts) / len(pts)
-    var = sum((p[0] - mean_s) ** 2 for p in pts)
-    slope = max(0.0, sum((p[0] - mean_s) * (p[1] - mean_c) for p in pts) / var) if var > 0 else 0.0
-    return {"per_op_s": max(0.0, mean_c - slope * mean_s), "per_byte_s": slope, "points": pts, "idle_rate": base_rate}
+    measured = [p for p in pts if p[1] > 0]
+    if len(measured) < 2:  # one point (or none above the noise): all of it per byte
+        per_byte = measured[0][1] / measured[0][0] if measured else 0.0
+        return {"per_op_s": 0.0, "per_byte_s": per_byte, "points": pts, "idle_rate": base_rate}
+    # The same line fit as the op times: relative error, intercept and slope >= 0.
+    per_op, per_byte, _ = _line([p[0] for p in measured], [p[1] for p in measured])
+    return {"per_op_s": per_op, "per_byte_s": per_byte, "points": pts, "idle_rate": base_rate}
 
 
 def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
