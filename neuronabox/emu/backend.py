@@ -204,14 +204,7 @@ class NboxWork(dist.Work):
         """Whether the modeled finish time has passed (CUDA: whether the device got there)."""
         if self._event is not None:
             return self._event.query()
-        rec = self._rec
-        if self._done:
-            return True
-        if rec.footprint is not None and not rec.footprint.done(rec):
-            return False
-        if rec.coupled is not None:
-            return clock() >= rec.end and rec.coupled.settle(rec)
-        return clock() >= rec.end
+        return self._done or _over(self._rec)
 
     def is_success(self) -> bool:
         """Emulated ops never fail."""
@@ -240,7 +233,7 @@ class NboxWork(dist.Work):
         self._future = fut
         rec, result = self._rec, self._result
         coupled, fp, waker = rec.coupled, rec.footprint, self._emu.waker
-        if clock() >= rec.end and (coupled is None or coupled.settle(rec)) and (fp is None or fp.done(rec)):
+        if _over(rec):
             fut.set_result(result)
         else:
 
@@ -257,6 +250,13 @@ class NboxWork(dist.Work):
 
             waker.at(rec.end, complete)
         return fut
+
+
+def _over(rec: OpRecord) -> bool:
+    """Whether a host-timed op has finished now: its modeled end passed, its progress (host coupling) and its CPU (footprint) done."""
+    if rec.footprint is not None and not rec.footprint.done(rec):
+        return False
+    return clock() >= rec.end and (rec.coupled is None or rec.coupled.settle(rec))
 
 
 def _cuda_future(event, device: torch.device, result) -> torch.futures.Future:

@@ -95,7 +95,9 @@ class Emulator:
         # Host coupling (host_coupling.py): a calibrated CPU library's ops crawl while this process
         # computes. Model mode only: wire and hybrid ops spend the real CPU themselves.
         profile = getattr(self.model, "profile", None)
-        modeled_cpu = self.wire is None and self.hybrid is None and topology.emulation.library == "gloo"
+        # A CPU library whose ops only the model times (no wire, no hybrid real ops).
+        self._modeled_cpu = modeled_cpu = (self.wire is None and self.hybrid is None
+                                           and topology.emulation.library == "gloo")
         # Footprint (footprint.py): with a calibrated CPU cost, the op's CPU is spent for real on
         # this rank's cores, so it slows the compute as gloo does; the busy rate still holds the
         # op back while the compute holds the core (measured on the real ranks, with gloo's own
@@ -114,7 +116,7 @@ class Emulator:
             if self.busy_rate is not None:
                 tl.coupling = HostCoupling(self.busy_rate, self._compute_cpu)
             tl.footprint = self.footprint
-            if self.topology.emulation.library == "gloo" and self.wire is None and self.hybrid is None:
+            if self._modeled_cpu:
                 tl.slots = self.topology.emulation.gloo_threads
             self.timelines.append(tl)
         return tl

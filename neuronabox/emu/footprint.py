@@ -58,6 +58,9 @@ class Footprint:
     """One thread spending the calibrated CPU of each op, FIFO."""
 
     def __init__(self, per_op_s: float, per_byte_s: float, clock: Callable[[], float] = time.perf_counter):
+        from ..fidelity.calibrate import ring_terms  # the calibration's closed forms (a layer above)
+
+        self._ring_terms = ring_terms
         self.per_op_s = per_op_s
         self.per_byte_s = per_byte_s
         self._clock = clock
@@ -80,12 +83,10 @@ class Footprint:
 
     def cost(self, op: Op, nbytes: int, n: int) -> float:
         """CPU seconds per rank for ``op`` over ``nbytes`` in a group of ``n``: all-reduce's cost scaled by the bytes each rank moves."""
-        from ..fidelity.calibrate import ring_terms
-
         if n < 2 or op is Op.BARRIER:
             return self.per_op_s if n >= 2 else 0.0
-        f = ring_terms(op, n)[1]
-        f_ar = ring_terms(Op.ALL_REDUCE, n)[1] or 1.0
+        f = self._ring_terms(op, n)[1]
+        f_ar = self._ring_terms(Op.ALL_REDUCE, n)[1] or 1.0
         return self.per_op_s + self.per_byte_s * nbytes * f / f_ar
 
     def charge(self, rec: "OpRecord", seconds: float) -> None:

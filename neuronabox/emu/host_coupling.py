@@ -58,7 +58,6 @@ class HostCoupling:
         self._left: dict[int, float] = {}  # seq -> seconds of idle-host progress still needed
         self._mark_t: float | None = None
         self._mark_cpu = 0.0
-        self.settles = 0  # how often progress was settled (a cost figure for benchmarks)
 
     def admit(self, r: "OpRecord", prev_end: float, work: float | None = None) -> float:
         """Queue ``r`` behind the op ending at ``prev_end``; it needs ``work`` (default its duration) of progress; returns its end."""
@@ -71,7 +70,6 @@ class HostCoupling:
 
     def settle(self, now: float) -> float:
         """Account progress up to ``now``; fix or move the ends of pending ops; returns the last end."""
-        self.settles += 1
         cpu = self._cpu()
         if self._mark_t is None or now <= self._mark_t:
             if self._mark_t is None:
