@@ -693,3 +693,67 @@ def test_delay_change_applies_to_an_open_connection(pair):
         th.join(10)
         srv.close()
         call("/links/node0:0--switch", {"delay": 0})
+
+
+def reorder_events(ns: str) -> int:
+    """TCP's count of reordering it detected inside one namespace (/proc/thread-self/net follows this thread)."""
+    with Namespace(ns).entered(), open("/proc/thread-self/net/netstat") as f:
+        lines = f.read().splitlines()
+    counts = {}
+    for head, vals in zip(lines[::2], lines[1::2]):
+        counts.update(zip(head.split()[1:], map(int, vals.split()[1:])))
+    return sum(counts.get(k, 0) for k in ("TCPSACKReorder", "TCPTSReorder", "TCPRenoReorder"))
+
+
+def test_slow_links_keep_each_flow_in_order_both_ways_through_the_relay(pair):
+    """A flow sent from more than one CPU used to reach its peer out of order (veth receives on the
+    sender's CPU); TCP took that for loss and retransmitted. Slow links are steered (RPS) now."""
+    from neuronabox.cluster.steering import rps_masks
+
+    call = agent(pair)
+    a, b = hosts(pair)
+    links = ("node0:0--switch", "node1:0--switch")
+    for lk in links:
+        call(f"/links/{lk}", {"rate": 100e6 / 8, "delay": "1ms"})
+    try:
+        for h in (a, b):
+            masks = rps_masks(Namespace(h["ns"]).path)
+            assert masks["lo/rx-0"] != "0" and all(m != "0" for m in masks.values()), masks
+        before = sum(reorder_events(h["ns"]) for h in (a, b))
+        srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.bind((b["address"], 0))
+        srv.listen(1)
+        n, rounds = 1 << 20, 8
+
+        def both_ways(s: socket.socket) -> None:
+            for _ in range(rounds):
+                tx = threading.Thread(target=s.sendall, args=(b"\0" * n,))
+                tx.start()
+                got = 0
+                while got < n:
+                    chunk = s.recv(min(1 << 20, n - got))  # not into the next round's bytes
+                    assert chunk, "connection closed early"
+                    got += len(chunk)
+                tx.join()
+
+        def serve() -> None:
+            s, _ = srv.accept()
+            both_ways(s)
+            s.close()
+
+        th = threading.Thread(target=serve)
+        th.start()
+        c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        c.connect((b["address"], srv.getsockname()[1]))
+        both_ways(c)
+        c.close()
+        th.join(30)
+        srv.close()
+        after = sum(reorder_events(h["ns"]) for h in (a, b))
+        print(f"\n{2 * rounds} MiB both ways at 100 Mbit/s, 1 ms: {after - before} reordering events")
+        assert after - before == 0
+    finally:
+        for lk in links:
+            call(f"/links/{lk}", {"rate": 10e9 / 8, "delay": 0})
+    # Back at 10 Gbit/s (the CPU is the bottleneck there): steering is off, it would only cost CPU.
+    assert set(rps_masks(Namespace(a["ns"]).path).values()) == {"0"}

@@ -35,6 +35,7 @@ from .nfqueue import DelayLine
 from .relay import Delays, Relay
 from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, iptables, loss_rules, mechanisms
 from .state import ClusterState
+from .steering import steer_flows, steering
 
 __all__ = ["Agent", "NoSuchLink", "parse_shape_changes", "main"]
 
@@ -240,6 +241,7 @@ class Agent:
                 for d in dirs:
                     end = lk["a"] if d == 0 else lk["b"]
                     self._set_rate(end, self.shapes[lid][d])
+                self._steer({lk["a"]["ns"], lk["b"]["ns"]})
             if "loss" in changes and not self.netem:
                 from types import SimpleNamespace as NS
 
@@ -257,6 +259,12 @@ class Agent:
                 st.data.setdefault("shapes", {})[str(lid)] = [ab.as_dict(), ba.as_dict()]
                 st.save()
         return self.view(lid)
+
+    def _steer(self, namespaces: set[str]) -> None:
+        """Steer (or stop steering) the namespaces' interfaces for their links' rates now (steering.py)."""
+        plan = steering(([(l["a"]["ns"], l["a"]["ifname"]), (l["b"]["ns"], l["b"]["ifname"])],
+                         self.shapes[i][0].rate, self.shapes[i][1].rate) for i, l in self.links.items())
+        steer_flows({Namespace(ns).path: plan[ns] for ns in namespaces if ns in plan})
 
     def _set_rate(self, end: dict, shape: LinkShape) -> None:
         ipr = self._ipr(end["ns"])

@@ -47,6 +47,7 @@ from .shaping import (
     mechanisms,
 )
 from .state import ClusterState, default_name, list_clusters, valid_name
+from .steering import steer_flows, steering
 
 __all__ = ["up", "down", "status", "exec_in", "doctor", "UpResult", "can_netns", "RUNTIMES"]
 
@@ -264,6 +265,9 @@ def _up_netns(st: ClusterState, topo, subnet: str, shape: bool, rate_kind: str, 
     finally:
         for ipr in iprs.values():
             ipr.close()
+    # Keep each flow in order on the slow links, whichever CPU sends it (steering.py).
+    steer_flows({Namespace(ns).path: ifs for ns, ifs in steering(
+        ([(lk.a.ns, lk.a.ifname), (lk.b.ns, lk.b.ifname)], shapes[lk.id][0].rate, shapes[lk.id][1].rate) for lk in plan.links).items()})
     if not netem:
         rules: dict[str, list[list[str]]] = {}
         for lk in plan.links:
