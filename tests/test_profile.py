@@ -85,6 +85,23 @@ def test_a_bad_profile_field_names_file_field_and_value(tmp_path, content, fragm
     assert msg.startswith(f"{t}: emulation.profile: ") and fragment in msg and "\n" not in msg
 
 
+def test_verbs_before_calibration_take_a_topology_whose_profile_is_not_written_yet(tmp_path):
+    """nbox up brings up the cluster that nbox calibrate then measures to write the named profile."""
+    t = tmp_path / "t.yaml"
+    t.write_text(NET + "emulation: {library: gloo, model: calibrated, profile: profiles/p.json}\n")
+    with pytest.raises(TopologyError, match="no such profile file"):
+        load_topology(t)
+    tp = load_topology(t, profile_may_be_missing=True)
+    assert tp.emulation.profile is None and tp.emulation.model == "calibrated" and tp.world_size == 2
+    # once written, it is read as always
+    write_profile(tmp_path / "profiles" / "p.json")
+    assert load_topology(t, profile_may_be_missing=True).emulation.profile == str((tmp_path / "profiles" / "p.json").resolve())
+    # a broken file is still refused: only a missing one waits for calibration
+    (tmp_path / "profiles" / "p.json").write_text("{not json")
+    with pytest.raises(TopologyError, match="not a readable JSON profile"):
+        load_topology(t, profile_may_be_missing=True)
+
+
 def test_a_profile_whose_fits_do_not_parse_is_named_by_the_field(tmp_path):
     (tmp_path / "p.json").write_text('{"format": "neuronabox-calibration/1", "ops": {"all_reduce": {"n": 2}}}')
     t = tmp_path / "t.yaml"

@@ -133,7 +133,7 @@ def up(
     from ..topology import Topology, load_topology
     from .compose import DEFAULTS, render_compose
 
-    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    topo = topology if isinstance(topology, Topology) else load_topology(topology, profile_may_be_missing=True)
     name = valid_name(name) if name else default_name(topo.name)
     say = progress or (lambda msg: None)
     # Before anything is written: no engine, no state file, nothing to take back.

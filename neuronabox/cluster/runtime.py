@@ -140,7 +140,7 @@ def up(
     """Bring a cluster up for ``topology`` (a path or a loaded Topology); safe to call twice."""
     from ..topology import Topology, load_topology
 
-    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    topo = topology if isinstance(topology, Topology) else load_topology(topology, profile_may_be_missing=True)
     name = valid_name(name) if name else default_name(topo.name)
     say = progress or (lambda msg: None)
     if runtime not in RUNTIMES:

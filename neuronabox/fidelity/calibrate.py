@@ -514,26 +514,15 @@ def load_for_calibration(path: Path):
 
     A named profile that does not exist yet is what this run is about to write, so it is no error here.
     """
-    import yaml
-
-    from ..topology import load_topology, parse_topology
+    from ..topology import load_topology
+    from ..topology.resolve import named_profile
 
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        raw = None  # load_topology names the problem
-    emu = raw.get("emulation") if isinstance(raw, dict) else None
-    named = emu.get("profile") if isinstance(emu, dict) else None
-    if isinstance(named, str) and named:
-        target = Path(named).expanduser()
-        if not target.is_absolute():
-            target = path.resolve().parent / target
-        if not target.exists():
-            emu = {k: v for k, v in emu.items() if k != "profile"}
-            return parse_topology(yaml.safe_dump({**raw, "emulation": emu}, sort_keys=False), str(path)), target, True
-        return load_topology(path), target, True
-    return load_topology(path), path.with_name(f"{path.stem}.profile.json"), False
+    target = named_profile(path)
+    topo = load_topology(path, profile_may_be_missing=True)
+    if target is not None:
+        return topo, target, True
+    return topo, path.with_name(f"{path.stem}.profile.json"), False
 
 
 def run_calibration(

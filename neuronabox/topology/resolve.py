@@ -170,8 +170,13 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
     return topology_from_dict(data, source)
 
 
-def load_topology(path: str | Path) -> Topology:
-    """Read and resolve a topology file."""
+def load_topology(path: str | Path, profile_may_be_missing: bool = False) -> Topology:
+    """Read and resolve a topology file.
+
+    ``profile_may_be_missing``: a profile that ``emulation.profile`` names but that does not exist
+    yet is left out instead of refused; for the verbs that come before it (``nbox up`` brings up
+    the cluster that ``nbox calibrate`` then measures to write it) and use no model.
+    """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -181,7 +186,28 @@ def load_topology(path: str | Path) -> Topology:
         raise TopologyError(str(p), "", "is a directory, expected a topology YAML file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError(str(p), "", f"cannot read: {exc}") from None
+    if profile_may_be_missing:
+        named = named_profile(p, text)
+        if named is not None and not named.exists():
+            raw = yaml.safe_load(text)
+            raw["emulation"] = {k: v for k, v in raw["emulation"].items() if k != "profile"}
+            text = yaml.safe_dump(raw, sort_keys=False)
     return parse_topology(text, str(p))
+
+
+def named_profile(path: str | Path, text: str | None = None) -> Path | None:
+    """The profile file that ``emulation.profile`` of a topology file names (relative to the file), or None."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(text if text is not None else path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # loading the topology names the problem
+    emu = raw.get("emulation") if isinstance(raw, dict) else None
+    named = emu.get("profile") if isinstance(emu, dict) else None
+    if not isinstance(named, str) or not named:
+        return None
+    target = Path(named).expanduser()
+    return target if target.is_absolute() else path.resolve().parent / target
 
 
 def topology_from_dict(data: dict[str, Any], source: str = "<dict>") -> Topology:
