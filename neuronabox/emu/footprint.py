@@ -1,7 +1,6 @@
 """A CPU library's footprint on the real rank's core: the CPU gloo would spend, spent for real.
 
-Gloo moves bytes with the host's CPU (its worker threads, the kernel's TCP; in an ``nbox up``
-cluster also the delay relay). On the real rank's core that work competes with training:
+Gloo moves bytes with the host's CPU (its worker threads, the kernel's TCP). On the real rank's core that work competes with training:
 measured here (CNN, 1 Gbit/s, 2-rank DDP), the conv backward that overlaps the gradient
 all-reduce ran 38.8 ms in the real system and 30.4 ms emulated. A progress rate can slow the
 op; only CPU actually spent can slow the compute. So, in model mode with a calibrated CPU cost

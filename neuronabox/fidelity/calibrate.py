@@ -659,21 +659,14 @@ def _worker(plan_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all cores; user, system, irq, softirq, steal)."""
-    with open("/proc/stat", encoding="ascii") as f:
-        fields = f.readline().split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
-    """CPU per rank that an all-reduce costs the machine (gloo threads, kernel TCP, the relay), as a line in the size.
+    """CPU that an all-reduce costs each rank's process (gloo's threads, the kernel's TCP work in them), as a line in the size.
 
-    Every rank of the calibration runs on this machine, so the machine's busy time while the
-    ranks run k ops, less the idle machine's own rate, over k·n is one rank's share. Measured
-    at up to three sizes that take 5-200 ms; each window lasts at least 0.6 s (the kernel
-    counts in 10 ms ticks).
+    Each rank's own process CPU time over k ops, averaged over the ranks, over k. The process
+    and not the machine: the machine's busy time also holds the relay that delays the links of
+    an ``nbox up`` cluster, which no real cluster has (at 100 Mbit/s it was 7 of every 9 ns/B:
+    per 2 MiB all-reduce 32 ms in the relay against 4.6 ms in each rank). Measured at up to
+    three sizes that take 5-200 ms; each window lasts at least 0.6 s.
     """
     import torch
     import torch.distributed as dist
@@ -682,30 +675,24 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     if not picks:
         return None
     picks = [picks[0], picks[len(picks) // 2], picks[-1]] if len(picks) >= 3 else picks
-    t = time.perf_counter()
-    b = _machine_busy_s()
-    time.sleep(0.3)
-    base_rate = max(0.0, (_machine_busy_s() - b) / (time.perf_counter() - t))
-    base_rate = decide([base_rate])[0]
     pts = []
     for r in picks:
         x = torch.ones(max(1, r["size"] // 4))
         k = max(2, int(0.6 / r["time_s"]))
         dist.barrier()
-        t, b = time.perf_counter(), _machine_busy_s()
+        c = time.process_time()
         for _ in range(k):
             dist.all_reduce(x)
-        dist.barrier()
-        wall, busy = time.perf_counter() - t, _machine_busy_s() - b
-        per_rank = max(0.0, busy - base_rate * wall) / k / n
-        pts.append((float(x.numel() * 4), decide([per_rank])[0]))
+        mine = torch.tensor([(time.process_time() - c) / k], dtype=torch.float64)
+        dist.all_reduce(mine)
+        pts.append((float(x.numel() * 4), decide([mine.item() / n])[0]))
     measured = [p for p in pts if p[1] > 0]
     if len(measured) < 2:  # one point (or none above the noise): all of it per byte
         per_byte = measured[0][1] / measured[0][0] if measured else 0.0
-        return {"per_op_s": 0.0, "per_byte_s": per_byte, "points": pts, "idle_rate": base_rate}
+        return {"per_op_s": 0.0, "per_byte_s": per_byte, "points": pts}
     # The same line fit as the op times: relative error, intercept and slope >= 0.
     per_op, per_byte, _ = _line([p[0] for p in measured], [p[1] for p in measured])
-    return {"per_op_s": per_op, "per_byte_s": per_byte, "points": pts, "idle_rate": base_rate}
+    return {"per_op_s": per_op, "per_byte_s": per_byte, "points": pts}
 
 
 def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
