@@ -420,6 +420,9 @@ def test_agent_shapes_eth0_inside_a_node_namespace(tmp_path):
                 ipr.close()
 
         assert tbf_rate() == 12_500_000
+        from neuronabox.cluster.steering import rps_masks
+
+        assert rps_masks(ns.path)["eth0/rx-0"] != "0"  # a slow link keeps each flow in order (steering.py)
         base = f"http://127.0.0.1:{agent.port}"
         req = urllib.request.Request(f"{base}/links/n0", data=json.dumps({"rate": "200Mbps"}).encode(), method="POST")
         view = json.loads(urllib.request.urlopen(req, timeout=10).read())
@@ -429,6 +432,9 @@ def test_agent_shapes_eth0_inside_a_node_namespace(tmp_path):
         assert links[0]["counters"]["packets"] >= 0
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         assert f'nbox_link_rate_bytes_per_second{{cluster="{cluster}",direction="ab",link="n0:eth0"}} 2.5e+07' in metrics
+        req = urllib.request.Request(f"{base}/links/n0", data=json.dumps({"rate": "10Gbps"}).encode(), method="POST")
+        urllib.request.urlopen(req, timeout=10).read()
+        assert rps_masks(ns.path)["eth0/rx-0"] == "0"  # the CPU is the bottleneck there: not steered
         stop.set()
         t.join(10)
     finally:

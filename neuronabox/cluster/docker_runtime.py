@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 from ..errors import InputError
 from .state import ClusterState, default_name, valid_name
+from .steering import STEER_MAX_RATE, steer_flows
 
 __all__ = ["up", "down", "status", "engine_or_fail", "engine_answers", "docker_sdk", "compose_cli", "DockerAgent", "main"]
 
@@ -459,6 +460,10 @@ class DockerAgent:
                 apply_rate(ipr, idx, self.shapes[node], "tbf", change=False, netem=self.netem)
         finally:
             ipr.close()
+        # Keep each flow in order on a slow link (steering.py); the bridge side is the engine's.
+        rate = self.shapes[node].rate
+        slow = 0 < rate <= STEER_MAX_RATE
+        steer_flows({self._ns(node).path: {"eth0": slow, "lo": slow}})
 
     def discover(self) -> list[str]:
         """Find nodes not yet shaped (or restarted) and shape them; returns the nodes shaped now."""
