@@ -127,7 +127,9 @@ def main() -> int:
                 est = profile["link_estimate"]
                 print(f"[{key}] calibrated in {time.perf_counter() - t0:.0f} s: all-reduce {len(ar['segments'])} segments, "
                       f"{est.get('all_reduce_payload_Bps', 0) * 8 / 1e6:.0f} Mbit/s, rms {ar['rms_rel_error']:.1%}, "
-                      f"busy progress {(profile.get('busy_progress') or {}).get('rate', 1.0):.2f}", flush=True)
+                      f"busy progress {(profile.get('busy_progress') or {}).get('rate', 1.0):.2f}, "
+                      f"cpu {(profile.get('cpu_cost') or {}).get('per_byte_s', 0) * 1e9:.1f} ns/B per rank "
+                      f"({(profile.get('cpu_cost') or {}).get('process_per_byte_s', 0) * 1e9:.1f} in its process)", flush=True)
                 for model in models:
                     cmd = [sys.executable, str(script), "--arch", model, "--steps", str(args.steps)]
                     v = run_validation(topo_file, cmd, warmup=args.warmup, repeats=args.repeats, tolerance=0.01,
@@ -138,7 +140,9 @@ def main() -> int:
                            "real_median_s": v.real.median_s, "real_p95_s": v.real.p95_s, "real_spread": v.real_spread,
                            "real_run_medians_s": v.real.run_medians_s,
                            "calibration": {"all_reduce_segments": ar["segments"], "rms_rel_error": ar["rms_rel_error"],
-                                           "busy_progress": (profile.get("busy_progress") or {}).get("rate")}}
+                                           "busy_progress": (profile.get("busy_progress") or {}).get("rate"),
+                                           "cpu_cost": {k: v for k, v in (profile.get("cpu_cost") or {}).items()
+                                                        if k in ("per_op_s", "per_byte_s", "process_per_byte_s")}}}
                     for m in v.modes:
                         row.setdefault("modes", {})[m.mode] = {"available": m.available, "why": m.why, "failed": m.failed, "median_s": m.median_s,
                                        "p95_s": m.p95_s, "error": m.error, "run_medians_s": m.run_medians_s,

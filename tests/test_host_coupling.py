@@ -188,6 +188,24 @@ def test_footprint_spends_the_cost_in_cpu_time_and_completes_after_it():
     fp.stop()
 
 
+def test_footprint_spends_an_ops_cpu_as_its_bytes_move():
+    """Not all at issue: spent up front, a 100 Mbit/s op's CPU took a burst from the compute beside it."""
+    from neuronabox.emu.footprint import Footprint
+
+    fp = Footprint(0.0, 0.0)
+    t = time.perf_counter()
+    r = rec(0, t, 0.200)
+    r.end = t + 0.200
+    fp.charge(r, 0.020)
+    time.sleep(0.050)
+    early = fp.cpu_time()
+    fp.wait(r)
+    took = time.perf_counter() - t
+    assert early < 0.012  # about a quarter of it by a quarter of the way (5 ms), not all 20 ms
+    assert took >= 0.19 and fp.spent == pytest.approx(0.020, abs=0.003)
+    fp.stop()
+
+
 def test_footprint_cost_scales_by_the_bytes_each_rank_moves():
     from neuronabox.emu.footprint import Footprint, cpu_cost_from_profile
 

@@ -9,6 +9,11 @@ in CPU time on the process's cores, in FIFO order, and an op completes no earlie
 cost is spent. The OS shares the core between it and the training thread as it shares it
 with gloo's threads, so both effects come from one measured figure.
 
+The cost is spent as the bytes move, from when the op has the link until its modeled end, not
+all at once when it is issued: at 100 Mbit/s a 2 MiB all-reduce costs each rank 23 ms of CPU
+over 200 ms, and spent up front that took 23 ms from the backward beside it (model mode +4 to
++6% in every 100 Mbit/s cell) where the real system spreads it over the transfer.
+
 The work is ``memcpy`` through ctypes (which drops the GIL for the call), chunk by chunk,
 like a network stack's copies; it runs only while an op has cost left, and sleeps otherwise.
 """
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["Footprint", "cpu_cost_from_profile"]
 
 CHUNK = 256 << 10  # bytes per memcpy: about 20-60 us, so the thread checks its budget often
+QUANTUM = 0.5e-3  # CPU seconds spent per wake-up when paced: a 23 ms cost over 200 ms wakes 46 times
 
 
 def cpu_cost_from_profile(profile: dict | None) -> tuple[float, float] | None:
@@ -43,14 +49,27 @@ def cpu_cost_from_profile(profile: dict | None) -> tuple[float, float] | None:
 
 
 class _Charge:
-    __slots__ = ("rec", "seconds", "done", "event", "callbacks")
+    __slots__ = ("rec", "seconds", "begin", "span", "done", "event", "callbacks")
 
     def __init__(self, rec: "OpRecord", seconds: float):
         self.rec = rec
         self.seconds = seconds
+        # The bytes move from when the op has the link until its modeled end; its CPU goes with them.
+        end = rec.end
+        if end is not None and rec.start is not None:
+            self.begin = max(rec.start, end - rec.duration)
+            self.span = max(0.0, end - self.begin)
+        else:
+            self.begin, self.span = 0.0, 0.0
         self.done: float | None = None
         self.event = threading.Event()
         self.callbacks: list[Callable[[float], None]] = []
+
+    def due(self, spent: float, now: float) -> float:
+        """When ``spent`` seconds of this op's CPU are due: as the bytes move (now, for an op without a span)."""
+        if self.span <= 0.0 or self.seconds <= 0.0:
+            return now
+        return self.begin + self.span * min(1.0, spent / self.seconds)
 
 
 class Footprint:
@@ -151,10 +170,20 @@ class Footprint:
                 if self._stopped:
                     return
                 c = self._queue[0]
+            # Everything this thread uses counts (the loop's own work too); asleep it uses nothing.
             t0 = thread_time()
-            while thread_time() - t0 < c.seconds and not self._stopped:
-                memcpy(dst, src, CHUNK)
-            self.spent += thread_time() - t0
+            spent = 0.0
+            while spent < c.seconds and not self._stopped:
+                # Ahead of the bytes: sleep until the next quantum is due (a new op or stop wakes it early).
+                ahead = c.due(min(c.seconds, spent + QUANTUM), 0.0) - self._clock()
+                if ahead > 0.0:
+                    with self._cond:
+                        if not self._stopped:
+                            self._cond.wait(ahead)
+                else:
+                    memcpy(dst, src, CHUNK)
+                spent = thread_time() - t0
+            self.spent += spent
             now = self._clock()
             with self._cond:
                 if self._queue and self._queue[0] is c:

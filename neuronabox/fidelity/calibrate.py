@@ -659,14 +659,25 @@ def _worker(plan_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
-    """CPU that an all-reduce costs each rank's process (gloo's threads, the kernel's TCP work in them), as a line in the size.
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores; user, system, irq, softirq, steal)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = f.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
-    Each rank's own process CPU time over k ops, averaged over the ranks, over k. The process
-    and not the machine: the machine's busy time also holds the relay that delays the links of
-    an ``nbox up`` cluster, which no real cluster has (at 100 Mbit/s it was 7 of every 9 ns/B:
-    per 2 MiB all-reduce 32 ms in the relay against 4.6 ms in each rank). Measured at up to
-    three sizes that take 5-200 ms; each window lasts at least 0.6 s.
+
+def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
+    """CPU per rank that an all-reduce costs the host, as a line in the size; and the ranks' own share.
+
+    Every rank of the calibration runs on this machine, so the machine's busy time while the
+    ranks run k ops, less the idle machine's own rate, over k·n is one rank's share: gloo's
+    threads, the kernel's TCP and softirqs, and, on an ``nbox up`` cluster, the relay that delays
+    its links (at 100 Mbit/s 32 ms per 2 MiB all-reduce against 4.6 ms in each rank's process).
+    That is what the compute beside the op loses on this host, so it is what model mode spends.
+    ``process_per_byte_s`` (each rank's own process CPU) is kept for the record. Measured at up
+    to three sizes that take 5-200 ms; each window lasts at least 0.6 s (the kernel counts in
+    10 ms ticks).
     """
     import torch
     import torch.distributed as dist
@@ -675,24 +686,35 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     if not picks:
         return None
     picks = [picks[0], picks[len(picks) // 2], picks[-1]] if len(picks) >= 3 else picks
-    pts = []
+    t = time.perf_counter()
+    b = _machine_busy_s()
+    time.sleep(0.3)
+    base_rate = max(0.0, (_machine_busy_s() - b) / (time.perf_counter() - t))
+    base_rate = decide([base_rate])[0]
+    pts, own = [], []
     for r in picks:
         x = torch.ones(max(1, r["size"] // 4))
         k = max(2, int(0.6 / r["time_s"]))
         dist.barrier()
-        c = time.process_time()
+        t, b, c = time.perf_counter(), _machine_busy_s(), time.process_time()
         for _ in range(k):
             dist.all_reduce(x)
         mine = torch.tensor([(time.process_time() - c) / k], dtype=torch.float64)
+        dist.barrier()
+        wall, busy = time.perf_counter() - t, _machine_busy_s() - b
         dist.all_reduce(mine)
-        pts.append((float(x.numel() * 4), decide([mine.item() / n])[0]))
+        per_rank = max(0.0, busy - base_rate * wall) / k / n
+        pts.append((float(x.numel() * 4), decide([per_rank])[0]))
+        own.append((float(x.numel() * 4), decide([mine.item() / n])[0]))
+    extra = {"points": pts, "idle_rate": base_rate,
+             "process_per_byte_s": sum(y for _, y in own) / max(sum(x for x, _ in own), 1.0), "process_points": own}
     measured = [p for p in pts if p[1] > 0]
     if len(measured) < 2:  # one point (or none above the noise): all of it per byte
         per_byte = measured[0][1] / measured[0][0] if measured else 0.0
-        return {"per_op_s": 0.0, "per_byte_s": per_byte, "points": pts}
+        return {"per_op_s": 0.0, "per_byte_s": per_byte, **extra}
     # The same line fit as the op times: relative error, intercept and slope >= 0.
     per_op, per_byte, _ = _line([p[0] for p in measured], [p[1] for p in measured])
-    return {"per_op_s": per_op, "per_byte_s": per_byte, "points": pts}
+    return {"per_op_s": per_op, "per_byte_s": per_byte, **extra}
 
 
 def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
