@@ -117,6 +117,8 @@ def steer_flows(targets: dict[str, dict[str, bool]], mask: str | None = None) ->
 
     A kernel without RPS has no ``rps_cpus`` file: nothing is set and 0 comes back.
     """
+    if not targets:
+        return 0
     mask = mask or cpu_mask()
 
     def write(path: str, sysfs: str) -> int:
