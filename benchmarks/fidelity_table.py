@@ -179,13 +179,32 @@ def _pct(v, sign: bool = True) -> str:
     return "-" if v is None else (f"{v * 100:+.2f}%" if sign else f"{v * 100:.2f}%")
 
 
-def _error_cell(m: dict) -> str:
-    """Error of the median, marked when it is within the real system's own spread."""
+def error_interval(real_runs: list[float], emu_runs: list[float], draws: int = 2000, seed: int = 1) -> tuple[float, float] | None:
+    """95% bootstrap interval of the emulated/real error, resampling whole runs (their medians) of each system.
+
+    Whole runs, because iterations of one run are not independent (a slow run is slow
+    throughout). Seeded: rendering the same JSON twice gives the same table.
+    """
+    import random
+    import statistics
+
+    if len(real_runs) < 2 or len(emu_runs) < 2:
+        return None
+    rng = random.Random(seed)
+    errs = sorted(statistics.median(rng.choices(emu_runs, k=len(emu_runs)))
+                  / statistics.median(rng.choices(real_runs, k=len(real_runs))) - 1 for _ in range(draws))
+    return errs[int(0.025 * draws)], errs[int(0.975 * draws) - 1]
+
+
+def _error_cell(m: dict, real_runs: list[float] | None = None) -> str:
+    """Error of the median, marked when it is within the real system's own spread, with its run-bootstrap interval."""
     if not m.get("available", True):
         return f"n/a ({m.get('why', 'not run')})"
     if m.get("failed") or m.get("median_s") is None:
         return f"failed: {m.get('failed') or 'a run did not finish'}"
-    return _pct(m.get("error")) + (" ≈" if "within the real spread" in (m.get("verdict") or "") else "")
+    cell = _pct(m.get("error")) + (" ≈" if "within the real spread" in (m.get("verdict") or "") else "")
+    ci = error_interval(real_runs or [], m.get("run_medians_s") or [])
+    return cell + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else "")
 
 
 def write(args, rows: list[dict], modes: list[str], command: str, seconds: float, machine: dict | None = None) -> None:
@@ -218,7 +237,9 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
            "so rank 0 computes on a machine as busy as in the real system. " if twin else
            "No load twin (`--no-twin`): the emulated rank 0 has the machine to itself. ")
         + "Error = (emulated - real) / real median; real spread = (max - min) / median of the real runs' medians; "
-        "≈ marks an error within the real spread.",
+        "≈ marks an error within the real spread; [a, b] is the error's 95% bootstrap interval over whole runs "
+        "(each system's run medians resampled, 2000 draws): where it is wider than ±1%, these runs cannot tell "
+        "a 1% error from none.",
         "",
         head,
         sep,
@@ -227,7 +248,7 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         line = f"| {r['network']} | {r['workload']} | {_ms(r['real_median_s'])} | {_pct(r['real_spread'], False)} |"
         for mode in modes:
             m = r["modes"].get(mode) or {}
-            line += f" {_ms(m.get('median_s'))} | {_error_cell(m)} |"
+            line += f" {_ms(m.get('median_s'))} | {_error_cell(m, r.get('real_run_medians_s'))} |"
         lines.append(line)
     if args.quick:
         lines += ["", "**Smoke run (`--quick`): these figures show the script works, they are not a fidelity "
