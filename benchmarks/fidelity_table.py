@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -86,6 +87,8 @@ def main() -> int:
         print("fidelity_table: needs root (the real system runs in network namespaces)", file=sys.stderr)
         return 2
 
+    # SIGTERM (timeout, kill) as an exit, so the finally below takes each cluster down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from neuronabox.cluster import runtime as rt
     from neuronabox.fidelity.calibrate import (
         default_sizes,
