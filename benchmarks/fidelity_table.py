@@ -242,7 +242,9 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         + "Error = (emulated - real) / real median; real spread = (max - min) / median of the real runs' medians; "
         "≈ marks an error within the real spread; [a, b] is the error's 95% bootstrap interval over whole runs "
         "(each system's run medians resampled, 2000 draws): where it is wider than ±1%, these runs cannot tell "
-        "a 1% error from none.",
+        "a 1% error from none. It leaves out the variation between calibrations (model mode) and between "
+        "cluster instances, which is larger here: the same code gave the 100 Mbit/s CNN model errors of +12.9%, "
+        "+1.75% and +9.2% in three runs of this table, each run's own model medians within 2%.",
         "",
         head,
         sep,
