@@ -14,6 +14,7 @@ namespaces this script makes.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
@@ -173,7 +174,11 @@ def main() -> int:
     if os.geteuid() != 0:
         print("cluster_updown: needs root (network namespaces)", file=sys.stderr)
         return 2
-    os.environ.setdefault("NBOX_STATE_DIR", tempfile.mkdtemp(prefix="nbox-bench-"))
+    if "NBOX_STATE_DIR" not in os.environ:
+        # A private state directory, removed at exit (each run used to leave an empty one in /tmp).
+        state = tempfile.TemporaryDirectory(prefix="nbox-bench-")
+        atexit.register(state.cleanup)
+        os.environ["NBOX_STATE_DIR"] = state.name
     runs = []
     for kind in ("switch", "fat-tree"):
         for n in (16, 64):
