@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 from ..errors import InputError
 from .state import ClusterState, default_name, valid_name
-from .steering import STEER_MAX_RATE, steer_flows
+from .steering import steer_flows, steering
 
 __all__ = ["up", "down", "status", "engine_or_fail", "engine_answers", "docker_sdk", "compose_cli", "DockerAgent", "main"]
 
@@ -462,8 +462,7 @@ class DockerAgent:
             ipr.close()
         # Keep each flow in order on a slow link (steering.py); the bridge side is the engine's.
         rate = self.shapes[node].rate
-        slow = 0 < rate <= STEER_MAX_RATE
-        steer_flows({self._ns(node).path: {"eth0": slow, "lo": slow}})
+        steer_flows(steering([([(self._ns(node).path, "eth0")], rate, rate)]))
 
     def discover(self) -> list[str]:
         """Find nodes not yet shaped (or restarted) and shape them; returns the nodes shaped now."""

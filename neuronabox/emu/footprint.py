@@ -1,9 +1,11 @@
 """A CPU library's footprint on the real rank's core: the CPU gloo would spend, spent for real.
 
-Gloo moves bytes with the host's CPU (its worker threads, the kernel's TCP). On the real rank's core that work competes with training:
-measured here (CNN, 1 Gbit/s, 2-rank DDP), the conv backward that overlaps the gradient
-all-reduce ran 38.8 ms in the real system and 30.4 ms emulated. A progress rate can slow the
-op; only CPU actually spent can slow the compute. So, in model mode with a calibrated CPU cost
+Gloo moves bytes with the host's CPU (its worker threads, the kernel's TCP; on an ``nbox up``
+cluster also the relay that delays the links, which the calibration measures with the rest).
+On the real rank's core that work competes with training: measured here (CNN, 1 Gbit/s,
+2-rank DDP), the conv backward that overlaps the gradient all-reduce ran 38.8 ms in the real
+system and 30.4 ms emulated. A progress rate can slow the op; only CPU actually spent can slow
+the compute. So, in model mode with a calibrated CPU cost
 (``nbox calibrate`` writes ``cpu_cost`` into the profile), one thread spends each op's cost
 in CPU time on the process's cores, in FIFO order, and an op completes no earlier than its
 cost is spent. The OS shares the core between it and the training thread as it shares it
@@ -65,10 +67,8 @@ class _Charge:
         self.event = threading.Event()
         self.callbacks: list[Callable[[float], None]] = []
 
-    def due(self, spent: float, now: float) -> float:
-        """When ``spent`` seconds of this op's CPU are due: as the bytes move (now, for an op without a span)."""
-        if self.span <= 0.0 or self.seconds <= 0.0:
-            return now
+    def due(self, spent: float) -> float:
+        """When ``spent`` (> 0) seconds of this op's CPU are due: as the bytes move (an op without a span: at once)."""
         return self.begin + self.span * min(1.0, spent / self.seconds)
 
 
@@ -175,7 +175,7 @@ class Footprint:
             spent = 0.0
             while spent < c.seconds and not self._stopped:
                 # Ahead of the bytes: sleep until the next quantum is due (a new op or stop wakes it early).
-                ahead = c.due(min(c.seconds, spent + QUANTUM), 0.0) - self._clock()
+                ahead = c.due(min(c.seconds, spent + QUANTUM)) - self._clock()
                 if ahead > 0.0:
                     with self._cond:
                         if not self._stopped:

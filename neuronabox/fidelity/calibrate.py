@@ -705,7 +705,7 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
         dist.all_reduce(mine)
         per_rank = max(0.0, busy - base_rate * wall) / k / n
         pts.append((float(x.numel() * 4), decide([per_rank])[0]))
-        own.append((float(x.numel() * 4), decide([mine.item() / n])[0]))
+        own.append((float(x.numel() * 4), mine.item() / n))  # summed over the ranks: the same on each
     extra = {"points": pts, "idle_rate": base_rate,
              "process_per_byte_s": sum(y for _, y in own) / max(sum(x for x, _ in own), 1.0), "process_points": own}
     measured = [p for p in pts if p[1] > 0]

@@ -6,6 +6,7 @@ and the offending value, which is what the CLI prints before exiting with code 2
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -187,27 +188,35 @@ def load_topology(path: str | Path, profile_may_be_missing: bool = False) -> Top
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError(str(p), "", f"cannot read: {exc}") from None
     if profile_may_be_missing:
-        named = named_profile(p, text)
-        if named is not None and not named.exists():
+        with contextlib.suppress(yaml.YAMLError):  # parse_topology names the problem
             raw = yaml.safe_load(text)
-            raw["emulation"] = {k: v for k, v in raw["emulation"].items() if k != "profile"}
-            text = yaml.safe_dump(raw, sort_keys=False)
+            named = named_profile(p, raw)
+            if named is not None and not named.exists():
+                raw["emulation"] = {k: v for k, v in raw["emulation"].items() if k != "profile"}
+                text = yaml.safe_dump(raw, sort_keys=False)
     return parse_topology(text, str(p))
 
 
-def named_profile(path: str | Path, text: str | None = None) -> Path | None:
-    """The profile file that ``emulation.profile`` of a topology file names (relative to the file), or None."""
+def named_profile(path: str | Path, raw: Any = None) -> Path | None:
+    """The profile file that ``emulation.profile`` of a topology file names (relative to the file), or None.
+
+    ``raw``: the file's YAML content when the caller has it already (else the file is read).
+    """
     path = Path(path)
-    try:
-        raw = yaml.safe_load(text if text is not None else path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None  # loading the topology names the problem
+    if raw is None:
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return None  # loading the topology names the problem
     emu = raw.get("emulation") if isinstance(raw, dict) else None
     named = emu.get("profile") if isinstance(emu, dict) else None
-    if not isinstance(named, str) or not named:
-        return None
-    target = Path(named).expanduser()
-    return target if target.is_absolute() else path.resolve().parent / target
+    return _profile_path(named, str(path)) if isinstance(named, str) and named else None
+
+
+def _profile_path(value: str, source: str) -> Path:
+    """``emulation.profile`` as a path: ``~`` expanded, relative to the topology file's folder."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else Path(source).resolve().parent / path
 
 
 def topology_from_dict(data: dict[str, Any], source: str = "<dict>") -> Topology:
@@ -316,10 +325,7 @@ def _with_absolute_profile(spec: TopologyFile, source: str, raw: dict[str, Any])
     ``nbox run`` and the what-if sweep write the effective topology to a temporary file elsewhere.
     """
     value = spec.emulation.profile
-    path = Path(value).expanduser()
-    if not path.is_absolute():
-        path = Path(source).resolve().parent / path
-    path = path.resolve()
+    path = _profile_path(value, source).resolve()
     where = "emulation.profile"
     if not path.is_file():
         raise TopologyError(source, where, f"no such profile file {value!r} ({path})")
