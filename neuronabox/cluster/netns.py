@@ -623,6 +623,9 @@ _SYSCTL_NODE = {
     "net.ipv6.conf.default.disable_ipv6": "1",
     "net.ipv4.conf.all.rp_filter": "0",
     "net.ipv4.conf.default.rp_filter": "0",
+    # A socket keeps its flow hash: rehashing after a loss probe moved a steered flow to another
+    # CPU's backlog and reordered it (steering.py); a real NIC's RSS hash never changes either.
+    "net.core.txrehash": "0",
 }
 
 
