@@ -120,6 +120,12 @@ def test_ring_all_reduce_moves_2_n_minus_1_over_n_bytes_each_way_and_down_leaves
         st = ClusterState.load(name)
         stubs = sorted(p["node"] for p in st["processes"] if p.get("role") == "stub")
         assert stubs == ["node1", "node3"]  # the real rank's ring neighbours, recorded by `up`
+        # Each stub stands in for its node's rank, so it runs on that node's CPU (steering.node_cpu).
+        from neuronabox.cluster.steering import node_cpu
+
+        index = {h["node"]: h["index"] for h in st["plan"]["hosts"]}
+        assert {p["node"]: psutil.Process(p["pid"]).cpu_affinity() for p in st["processes"] if p.get("role") == "stub"} \
+            == {node: [node_cpu(index[node])] for node in stubs}
         script = tmp_path / "collectives.py"
         script.write_text(COLLECTIVES)
         r = nbox_run(yaml, str(script), str(size), cluster=name, wire=True)

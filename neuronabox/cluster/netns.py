@@ -431,6 +431,14 @@ def ns_name(cluster: str, kind: str, index: int) -> str:
     return f"nbx-{cluster}-{kind}{index}"
 
 
+def ns_role(name: str) -> tuple[str, int] | None:
+    """``("h", k)`` for node k's namespace, ``("s", j)`` for switch j's (the inverse of ``ns_name``); None for others."""
+    head, sep, tail = name.rpartition("-")
+    if not (sep and head.startswith("nbx-") and tail[:1] in ("h", "s") and tail[1:].isdigit()):
+        return None
+    return tail[0], int(tail[1:])
+
+
 def link_name(u: str, v: str) -> str:
     """A URL- and shell-friendly link name: ``node0:0--switch`` (NIC 0 of node0 to switch)."""
 

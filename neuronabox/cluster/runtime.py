@@ -269,7 +269,7 @@ def _up_netns(st: ClusterState, topo, subnet: str, shape: bool, rate_kind: str, 
     # interface is not steered, so only namespaces with something to steer are visited.
     steer_flows({Namespace(ns).path: ifs for ns, ifs in steering(
         ([(lk.a.ns, lk.a.ifname), (lk.b.ns, lk.b.ifname)], shapes[lk.id][0].rate, shapes[lk.id][1].rate) for lk in plan.links).items()
-        if any(ifs.values())})
+        if any(m != "0" for m in ifs.values())})
     if not netem:
         rules: dict[str, list[list[str]]] = {}
         for lk in plan.links:

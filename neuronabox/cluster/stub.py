@@ -63,11 +63,25 @@ def _info(st: ClusterState, node: str) -> dict | None:
         return None
 
 
+def _stub_preexec(ns: str | None, index: int | None):
+    """Enter the node's namespace and, in one, its CPU: the stub stands in for the rank pinned there (steering.node_cpu)."""
+    from .netns import Namespace
+    from .steering import node_cpu
+
+    if not ns:
+        return None
+    enter, cpu = Namespace(ns).preexec(), node_cpu(index or 0)
+
+    def pre() -> None:
+        enter()
+        os.sched_setaffinity(0, {cpu})
+
+    return pre
+
+
 def start_stubs(st: ClusterState, nodes: list[str], timeout: float = 10.0) -> dict[str, dict]:
     """Start the stubs of ``nodes`` (recorded in the state first); returns node -> {pid, port, control}."""
     import psutil
-
-    from .netns import Namespace
 
     hosts = {h["node"]: h for h in (st.get("plan") or {}).get("hosts", [])}
     procs: dict[str, subprocess.Popen] = {}
@@ -97,7 +111,7 @@ def start_stubs(st: ClusterState, nodes: list[str], timeout: float = 10.0) -> di
         log = open(st.dir / f"stub-{node}.log", "ab")
         procs[node] = subprocess.Popen(cmds[node], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                        start_new_session=True, env=env,
-                                       preexec_fn=Namespace(ns).preexec() if ns else None)
+                                       preexec_fn=_stub_preexec(ns, hosts[node].get("index")))
         log.close()
     for node, proc in procs.items():
         with contextlib.suppress(psutil.Error):
