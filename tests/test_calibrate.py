@@ -230,3 +230,21 @@ def test_busy_progress_in_a_profile_reaches_the_emulator(tmp_path, monkeypatch):
     tl = emu.new_timeline((0, 1))
     assert tl.coupling is not None and tl.coupling.busy_rate == 0.05 and tl.slots == 2
     assert Emulator(gloo, 0, "alpha-beta").busy_rate is None  # no profile, no coupling
+
+
+def test_the_link_time_of_two_ops_at_once_comes_from_the_profile(tmp_path):
+    from neuronabox.model.calibrated import CalibratedModel
+
+    path, _ = synthetic_profile(tmp_path)
+    doc = json.loads(path.read_text())
+    t = topo("cluster: {nodes: 4}\nnetwork: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}\n"
+             "emulation: {library: gloo}\n")
+    assert CalibratedModel(t, profile=path).link_time(Op.ALL_REDUCE, 1 << 20, (0, 1)) is None  # not measured
+    doc["concurrency"] = {"ranks": 2, "sec_per_byte": 1e-8}
+    path.write_text(json.dumps(doc))
+    m = CalibratedModel(t, profile=path)
+    assert m.link_time(Op.ALL_REDUCE, 1 << 20, (0, 1)) == pytest.approx((1 << 20) * 1e-8)
+    # other group sizes and ops by their ring wire factor: all-reduce 2(n-1)/n, broadcast 1
+    assert m.link_time(Op.ALL_REDUCE, 1 << 20, (0, 1, 2, 3)) == pytest.approx((1 << 20) * 1e-8 * 1.5)
+    assert m.link_time(Op.BROADCAST, 1 << 20, (0, 1)) == pytest.approx((1 << 20) * 1e-8)
+    assert m.link_time(Op.ALL_REDUCE, 1 << 20, (0,)) is None

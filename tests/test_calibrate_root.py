@@ -62,6 +62,12 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     assert 0.0 <= busy["rate"] <= 1.0 and len(busy["rates"]) == 9
     assert 0.1e-9 <= cpu["per_byte_s"] <= 20e-9 and cpu["per_op_s"] >= 0.0
     assert "busy progress:" in r.stdout and "cpu cost per rank:" in r.stdout
+    # two all-reduces at once: together no slower than one after the other, and their bytes no
+    # faster than the link (frames counted: payload is 1448 of every 1514 bytes)
+    pair = doc["concurrency"]
+    assert pair["ranks"] == 2 and len(pair["pair_samples"]) == 7 and "two at once:" in r.stdout
+    assert pair["pair_s"] <= 2.2 * pair["single_s"]
+    assert 1 / pair["sec_per_byte"] <= 1.05 * rate * 1448 / 1514
     assert "wrote" in r.stdout and "all_reduce" in r.stdout
     # --write-topology: the file now names its profile (relative), and so uses model calibrated
     assert "set emulation.profile: profile.json" in r.stdout

@@ -168,6 +168,38 @@ def test_gloo_runs_two_ops_of_a_group_at_once(emulate_const, library, ends):
     assert [round((r.end - t0) / 0.020) for r in ops] == ends
 
 
+def test_a_second_gloo_op_fills_the_link_time_the_first_leaves_idle():
+    """With the link share known (calibrated two-at-once), the second op overlaps its own idle part
+    and the idle link time of the first, not just a latency: measured at 100 Mbit/s, a 0.37 MB
+    all-reduce issued 36 ms into a 2.1 MB one ended 21 ms after it, where alone it takes 35."""
+    from neuronabox.emu.timeline import Recorder, Timeline
+    from neuronabox.model.base import CommModel, Estimate
+    from neuronabox.topology import parse_topology
+
+    class Linear(CommModel):
+        name = "linear"
+
+        def estimate(self, op, nbytes, group, root=0):
+            return Estimate(0.002 + nbytes / 10.9e6, "linear")  # one op alone: 10.9 MB/s
+
+        def link_time(self, op, nbytes, group, root=0):
+            return nbytes / 11.9e6  # two at once reach the link's 11.9 MB/s
+
+    topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 100Mbps}}\nemulation: {library: gloo}\n")
+    tl = Timeline("c", (0, 1), Linear(topo), Recorder())
+    tl.slots = 2
+    a = tl.schedule(Op.ALL_REDUCE, 2_100_000, ready=10.0)
+    b = tl.schedule(Op.ALL_REDUCE, 373_000, ready=10.036)
+    d_a, d_b, x_a, x_b = a.duration, b.duration, 2_100_000 / 11.9e6, 373_000 / 11.9e6
+    idle = (a.end - b.start) * (1 - x_a / d_a)
+    assert a.end == pytest.approx(10.0 + d_a)
+    assert b.end == pytest.approx(a.end + d_b - ((d_b - x_b) + idle))
+    # less than the latency-only rule (all of b but 2 ms after a), no less than b's bytes in a's idle link time
+    assert x_b - idle - 1e-9 <= b.end - a.end < d_b - 0.002
+    c = tl.schedule(Op.ALL_REDUCE, 373_000, ready=b.end + 1.0)  # nothing in flight: its own time
+    assert c.end - c.start == pytest.approx(d_b)
+
+
 # ---- footprint: the op's CPU spent for real, competing with the training thread ------------------
 def test_footprint_spends_the_cost_in_cpu_time_and_completes_after_it():
     from neuronabox.emu.footprint import Footprint

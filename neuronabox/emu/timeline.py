@@ -315,13 +315,15 @@ class Timeline:
         self.straggler = straggler
         self.last_end = float("-inf")
         self._cache: dict[tuple[Op, int, int], tuple[float, str]] = {}
+        self._links: dict[tuple[Op, int, int], float | None] = {}
         self._lock = threading.Lock()
         self.device_state: dict = {}  # per-device streams and buffers of cuda_wait
         self.contention: ContentionHook | None = None
         self.coupling: HostCoupling | None = None  # CPU libraries: ops crawl while the host computes
         # Ops in flight at once. NCCL: 1 (one stream, FIFO). Gloo: a process group has 2 worker
-        # threads, so a second op runs beside the first; their latency parts overlap and only
-        # the transfers queue on the link: ``end = max(start + t, previous end + t - latency)``.
+        # threads, so a second op runs beside the first; what overlaps is its idle part and
+        # the link time the first leaves idle (``_overlap``), only the rest queues on the link:
+        # ``end = max(start + t, previous end + t - overlap)``.
         self.slots = 1
         self.footprint: Footprint | None = None  # CPU libraries with a calibrated CPU cost
         # The last few host-timed ops: by FIFO order, the one in flight at any recent time is among them.
@@ -357,6 +359,30 @@ class Timeline:
         """The size-independent part of ``op``'s time: the modeled time of a 4-byte one."""
         return self.estimate(op, 4, root)[0]
 
+    def link_part(self, op: Op, nbytes: int, root: int = 0) -> float | None:
+        """Seconds of ``op`` on the link when it shares it (the model's ``link_time``); None when the model cannot tell."""
+        key = (op, nbytes, root)
+        if key in self._links:
+            return self._links[key]
+        t = self.model.link_time(op, nbytes, self.group, root)
+        if len(self._links) < 65536:
+            self._links[key] = t
+        return t
+
+    def _overlap(self, r: OpRecord, prev: OpRecord | None, prev_end: float) -> float:
+        """How much of ``r`` runs beside the op still in flight (``prev``, ending at ``prev_end``).
+
+        With the link share of both ops known: ``r``'s own idle part (its time less its link
+        time) and the link time ``prev`` leaves idle for the rest of its run. Else only the
+        latency part (a 4-byte op) overlaps.
+        """
+        mine = self.link_part(r.op, r.nbytes, r.root)
+        theirs = self.link_part(prev.op, prev.nbytes, prev.root) if prev is not None else None
+        if mine is None or theirs is None or prev.duration <= 0:
+            return min(self.latency_part(r.op, r.root), prev_end - r.start, r.duration)
+        idle = (prev_end - r.start) * max(0.0, 1.0 - theirs / prev.duration)
+        return min(max(0.0, r.duration - mine) + idle, r.duration)
+
     def _record(self, op: Op, nbytes: int, root: int, now: float) -> OpRecord:
         duration, algorithm = self.estimate(op, nbytes, root)
         extra = self.straggler(op, nbytes, self.group) if self.straggler is not None else 0.0
@@ -386,7 +412,7 @@ class Timeline:
                     r.duration, r.algorithm = hit
             overlap = 0.0
             if prev_end > r.start:  # only with slots > 1: the previous op is still running
-                overlap = min(self.latency_part(op, root), prev_end - r.start, r.duration)
+                overlap = self._overlap(r, self.recent[-1] if self.recent else None, prev_end)
             if coupling is not None:
                 r.coupled = self
                 coupling.admit(r, prev_end, r.duration - overlap)

@@ -507,6 +507,7 @@ class WorkerPlan:
     extra: dict = field(default_factory=dict)
     busy_repeats: int = 9  # samples of the busy-progress measurement (0: skip it)
     busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
+    pair_repeats: int = 7  # samples of two all-reduces at once (0: skip it)
 
 
 def load_for_calibration(path: Path):
@@ -574,7 +575,7 @@ def run_calibration(
     meta = {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
             "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
     profile = make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta)
-    for key in ("busy_progress", "cpu_cost"):
+    for key in ("busy_progress", "cpu_cost", "concurrency"):
         if measured.get(key):
             profile[key] = measured[key]
     return profile
@@ -643,10 +644,15 @@ def _worker(plan_path: str) -> None:
                 break
         if rows:
             results[op.value] = rows
-    busy = cpu = None
+    busy = cpu = pair = None
     if plan.busy_repeats > 0 and results.get(Op.ALL_REDUCE.value):
         busy = _busy_progress(plan, results[Op.ALL_REDUCE.value], decide)
         cpu = _cpu_cost(results[Op.ALL_REDUCE.value], n, decide)
+    if plan.pair_repeats > 0 and len(results.get(Op.ALL_REDUCE.value, [])) >= 2:
+        pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, decide)
+        if rank == 0:
+            print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone, "
+                  f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
         if rank == 0:
             print(f"busy progress: rate {busy['rate']:.3f} at {busy['size']} B "
                   f"(idle {busy['idle_s'] * 1e3:.2f} ms, computing {busy['compute_s'] * 1e3:.2f} ms)", flush=True)
@@ -655,7 +661,7 @@ def _worker(plan_path: str) -> None:
                   f"(all-reduce)", flush=True)
     if rank == 0:
         Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated,
-                                              "busy_progress": busy, "cpu_cost": cpu}))
+                                              "busy_progress": busy, "cpu_cost": cpu, "concurrency": pair}))
     dist.destroy_process_group()
 
 
@@ -759,6 +765,42 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     w = statistics.median(idle)
     return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": w,
             "idle_samples": idle, "busy_samples": busy, "rates": rates}
+
+
+def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
+    """Link time per byte of all-reduce when two run at once (gloo runs two ops of a group together).
+
+    One all-reduce leaves the link idle part of its time (the ring waits on each step's
+    reduction and round trip); a second op in flight fills it. Measured at 100 Mbit/s, 1 ms: a
+    2.1 MB all-reduce alone 193 ms, with a 0.37 MB one issued 36 ms in 214 ms together where
+    one after the other is 228. Two all-reduces of S bytes started together take ``T2``; their
+    bytes share the link, so its time per byte is ``(T2 - t(4 B)) / 2S`` (the latency once).
+    S is the smallest measured size that takes ``busy_target_s`` x 3 (long enough that the
+    link, not the start, dominates). Single and pair samples alternate; medians.
+    """
+    import torch
+    import torch.distributed as dist
+
+    size = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
+    a, b = torch.ones(max(1, size // 4)), torch.ones(max(1, size // 4))
+    single, pair = [], []
+    dist.all_reduce(a)
+    for _ in range(plan.pair_repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(a)
+        single.append(decide([time.perf_counter() - t])[0])
+        dist.barrier()
+        t = time.perf_counter()
+        works = [dist.all_reduce(x, async_op=True) for x in (a, b)]
+        for w in works:
+            w.wait()
+        pair.append(decide([time.perf_counter() - t])[0])
+    latency = rows[0]["time_s"]
+    t1, t2 = statistics.median(single), statistics.median(pair)
+    size = a.numel() * 4
+    return {"size": size, "ranks": n, "single_s": t1, "pair_s": t2, "sec_per_byte": max(t2 - latency, 0.0) / (2 * size),
+            "single_samples": single, "pair_samples": pair}
 
 
 def _op_call(op: Op, size: int, rank: int, n: int):

@@ -141,6 +141,15 @@ class CommModel(ABC):
         """Estimates for collectives that start together; models that see contention override this."""
         return [self.estimate(c.op, c.nbytes, c.group, c.root) for c in collectives]
 
+    def link_time(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> float | None:
+        """Seconds of ``op`` that occupy the link (its bytes at the rate concurrent ops reach together); None when unknown.
+
+        A library that runs two ops of a communicator at once (gloo) lets the second op's bytes
+        fill the link time the first leaves idle (its protocol's stalls); the timeline needs this
+        share to overlap them. Models without a measurement answer None (only latency overlaps).
+        """
+        return None
+
     def world(self) -> Group:
         """The group of every rank."""
         return Group(range(self.topology.world_size))

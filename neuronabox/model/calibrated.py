@@ -85,6 +85,23 @@ class CalibratedModel(CommModel):
             if len(pts) >= 2:
                 self.tables[Op.parse(name)] = ([p[0] for p in pts], [p[1] for p in pts])
 
+    def link_time(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> float | None:
+        """The op's bytes at the link time per byte measured with two all-reduces at once (profile ``concurrency``)."""
+        from ..fidelity.calibrate import ring_terms
+
+        c = self.profile.get("concurrency")
+        group = Group.of(group)
+        if not c or c.get("sec_per_byte") is None or group.size < 2:
+            return None
+        if len({self.topology.rank_node[r] for r in group.ranks}) == 1:
+            return None
+        # Per byte of all-reduce at the calibrated size; other ops and group sizes by their wire factor.
+        f_ref = ring_terms(Op.ALL_REDUCE, int(c.get("ranks") or group.size))[1]
+        f_op = ring_terms(op, group.size)[1]
+        if not f_ref or not f_op:
+            return None
+        return c["sec_per_byte"] * nbytes * f_op / f_ref / self.bandwidth_scale
+
     def _alpha_beta(self):
         if self._fallback is None:
             from .alphabeta import AlphaBetaModel
