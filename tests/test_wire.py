@@ -76,8 +76,8 @@ def topology_yaml(tmp_path, name: str, nodes: int, bw: str, lat: str) -> str:
     p = tmp_path / f"{name}.yaml"
     p.write_text(f"name: {name}\ncluster: {{nodes: {nodes}, device: cpu}}\nintra_node: {{fabric: shm}}\n"
                  f"network: {{type: switch, link: {{bandwidth: {bw}, latency: {lat}}}}}\n"
-                 # gloo_threads 1: wire mode moves a group's ops one at a time, so model
-                 # mode is asked for the same (by default it runs two at once, as gloo does)
+                 # gloo_threads 1: one op of a group at a time in both modes (by default two
+                 # run at once, as gloo's two worker threads do), so the comparison stays simple
                  "emulation: {library: gloo, model: alpha-beta, algorithm: ring, gloo_threads: 1}\n")
     return str(p)
 
@@ -304,3 +304,49 @@ def test_the_fidelity_tables_transformer_finishes_in_wire_mode(tmp_path):
         rt.down(name)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "transformer: 653544 parameters, 6 steps" in r.stdout
+
+
+TWO_AT_ONCE = r"""
+import json, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+a, b = torch.arange(262144.), torch.arange(262144.) + 1
+works = [dist.all_reduce(x, async_op=True) for x in (a, b)]
+for w in works:
+    w.wait()
+print("RESULT " + json.dumps(torch.equal(a, torch.arange(262144.) * 2) and torch.equal(b, (torch.arange(262144.) + 1) * 2)))
+"""
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("threads", [2, 1])
+def test_gloos_two_worker_threads_move_two_ops_of_a_group_at_once_in_wire_mode(tmp_path, threads):
+    """Gloo runs a group's second op while the first still moves its bytes; wire mode does too,
+    one session with the stubs per worker thread (gloo_threads), and the results stay exact."""
+    name = f"w2t{threads}"
+    p = tmp_path / "two.yaml"
+    p.write_text(f"name: {name}\ncluster: {{nodes: 2, device: cpu}}\n"
+                 "network: {type: switch, link: {bandwidth: 100Mbps, latency: 1ms}}\n"
+                 f"emulation: {{library: gloo, model: alpha-beta, algorithm: ring, gloo_threads: {threads}}}\n")
+    script = tmp_path / "two.py"
+    script.write_text(TWO_AT_ONCE)
+    before = leftovers(name)
+    rt.up(str(p), runtime="netns", name=name)
+    try:
+        rep = tmp_path / "report.json"
+        r = run_nbox("run", "-q", "--cluster", name, "--mode", "wire", "--report", str(rep), str(p), "--",
+                     sys.executable, str(script))
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    finally:
+        rt.down(name)
+    assert "RESULT true" in r.stdout
+    ops = [o for o in json.loads(rep.read_text())["ops"] if o["op"] == "all_reduce" and o["nbytes"] == 1 << 20]
+    assert len(ops) == 2 and all(o["algorithm"].startswith("wire/") for o in ops)
+    first, second = sorted(ops, key=lambda o: o["seq"])
+    print(f"\ngloo_threads {threads}: first [{first['start'] * 1e3:.1f}, {first['end'] * 1e3:.1f}] ms, "
+          f"second [{second['start'] * 1e3:.1f}, {second['end'] * 1e3:.1f}] ms")
+    if threads == 2:
+        assert second["start"] < first["end"] - 0.030  # moving bytes beside the first (1 MiB at 100 Mbit/s: ~90 ms)
+    else:
+        assert second["start"] >= first["end"] - 1e-6
+    assert leftovers(name) == before

@@ -354,9 +354,16 @@ def _make_work_class():
 
 
 class WireClient:
-    """The real rank's end of wire mode: one wire thread, one set of connections per stub node."""
+    """The real rank's end of wire mode: a wire thread per lane, each lane its own session with the stubs.
 
-    def __init__(self, emulator, cluster: str):
+    Gloo runs a process group's ops on two worker threads, so a second op moves its bytes while
+    the first still does (and fills the link time the first leaves idle). Wire mode does the
+    same: ``lanes`` threads take ops from one queue in order, each with its own session
+    (connections, sequence numbers, arena) to the stubs, which serve any number of sessions.
+    The first lane is the client the backend calls; the others only run ops.
+    """
+
+    def __init__(self, emulator, cluster: str, lanes: int = 1, _front: "WireClient | None" = None):
         from ..cluster.state import ClusterState
 
         self.emu = emulator
@@ -365,7 +372,9 @@ class WireClient:
         self.hosts = {h["node"]: h for h in (st.get("plan") or {}).get("hosts", [])}
         self.session = uuid.uuid4().int & ((1 << 63) - 1)
         self.peers: dict[str, _Peer] = {}
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.q: queue.SimpleQueue = _front.q if _front is not None else queue.SimpleQueue()
+        # The first failed op's error, for every lane: the streams are out of step after it.
+        self._failed: list[BaseException] = _front._failed if _front is not None else []
         self.warned: set[str] = set()
         self.seq = 0
         self.arena = None
@@ -376,14 +385,23 @@ class WireClient:
         self.stall = stall_timeout()
         self._deadline = float("inf")  # monotonic: the current op's modeled end plus the stall timeout
         self._op = ""
-        self.broken: BaseException | None = None  # the first failed op's error
         self._Work = _make_work_class()
-        self._thread = threading.Thread(target=self._loop, name="nbox-wire", daemon=True)
+        self.lanes: list[WireClient] = [self]
+        if _front is None:
+            self.lanes += [WireClient(emulator, cluster, _front=self) for _ in range(max(1, lanes) - 1)]
+        self._thread = threading.Thread(target=self._loop, name=f"nbox-wire{'' if _front is None else len(_front.lanes)}",
+                                        daemon=True)
         self._thread.start()
         self._closed = False
-        # The wire thread runs torch ops; left running into interpreter shutdown it can meet torch's
-        # static destructors and abort the process ("terminate called without an active exception").
-        atexit.register(self.close)
+        if _front is None:
+            # The wire threads run torch ops; left running into interpreter shutdown they can meet
+            # torch's static destructors and abort the process ("terminate called without an active exception").
+            atexit.register(self.close)
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The first failed op's error (any lane's), or None."""
+        return self._failed[0] if self._failed else None
 
     @classmethod
     def from_env(cls, emulator) -> "WireClient | None":
@@ -393,7 +411,8 @@ class WireClient:
         cluster = os.environ.get(ENV_CLUSTER)
         if not cluster:
             raise RuntimeError("nbox wire: NBOX_WIRE is set but NBOX_CLUSTER names no cluster")
-        return cls(emulator, cluster)
+        lib = emulator.topology.emulation
+        return cls(emulator, cluster, lanes=lib.gloo_threads if lib.library == "gloo" else 1)
 
     # ---- fallbacks ---------------------------------------------------------------------------
     def fallback(self, what: str) -> None:
@@ -545,7 +564,7 @@ class WireClient:
             return None
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         return self._submit(pg, Op.ALL_REDUCE, nbytes, 0, tensors,
-                            lambda job: self._run_allreduce(job, pg, tensors, redop))
+                            lambda lane, job: lane._run_allreduce(job, pg, tensors, redop))
 
     def reduce_scatter(self, pg, output, inputs, redop, result=None):
         """Reduce-scatter into ``output`` from ``inputs`` (one tensor of n chunks, or a list of n)."""
@@ -561,7 +580,7 @@ class WireClient:
         if nbytes != output.numel() * output.element_size() * pg.size():
             return None
         return self._submit(pg, Op.REDUCE_SCATTER, nbytes, 0, [output] if result is None else result,
-                            lambda job: self._run_reduce_scatter(job, pg, output, ins, redop))
+                            lambda lane, job: lane._run_reduce_scatter(job, pg, output, ins, redop))
 
     def all_gather(self, pg, outputs, inp, result=None):
         """All-gather ``inp`` into ``outputs`` (one tensor of n chunks, or a list of n)."""
@@ -574,7 +593,7 @@ class WireClient:
         if nbytes != inp.numel() * inp.element_size() * pg.size():
             return None
         return self._submit(pg, Op.ALL_GATHER, nbytes, 0, [outputs] if result is None else result,
-                            lambda job: self._run_all_gather(job, pg, outs, inp))
+                            lambda lane, job: lane._run_all_gather(job, pg, outs, inp))
 
     def broadcast(self, pg, tensors, root: int):
         """Broadcast along the ring's chain from ``root`` (a group rank)."""
@@ -584,7 +603,7 @@ class WireClient:
             return None
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         return self._submit(pg, Op.BROADCAST, nbytes, root, tensors,
-                            lambda job: self._run_broadcast(job, pg, tensors, root))
+                            lambda lane, job: lane._run_broadcast(job, pg, tensors, root))
 
     def barrier(self, pg):
         """A ring barrier of empty frames."""
@@ -592,7 +611,7 @@ class WireClient:
 
         if pg.size() == 1:
             return None
-        return self._submit(pg, Op.BARRIER, 0, 0, [], lambda job: self._run_barrier(job, pg))
+        return self._submit(pg, Op.BARRIER, 0, 0, [], lambda lane, job: lane._run_barrier(job, pg))
 
     # ---- the wire thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -618,11 +637,10 @@ class WireClient:
                     # The streams of a failed op are out of step: a later op could only read the
                     # wrong frames or wait for ones that never come.
                     raise ConnectionError(f"nbox wire: an earlier op failed: {self.broken}")
-                job.run(job)
+                job.run(self, job)
             except BaseException as exc:  # noqa: BLE001 - reported through the work
                 err = exc
-                if self.broken is None:
-                    self.broken = exc
+                self._failed.append(exc)
             end = clock()
             rec.start, rec.end, rec.completed = start, end, end
             with job.tl._lock:
@@ -864,11 +882,13 @@ class WireClient:
         if self._closed:
             return
         self._closed = True
-        self.q.put(None)
-        self._thread.join(timeout=10)
-        for p in self.peers.values():
-            try:
-                send_msg(p.ctl, {"t": "bye"})
-            except OSError:
-                pass
-            p.sender.close()
+        for _ in self.lanes:
+            self.q.put(None)
+        for lane in self.lanes:
+            lane._thread.join(timeout=10)
+            for p in lane.peers.values():
+                try:
+                    send_msg(p.ctl, {"t": "bye"})
+                except OSError:
+                    pass
+                p.sender.close()
