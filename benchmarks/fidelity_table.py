@@ -99,6 +99,7 @@ def main() -> int:
         save_profile,
         write_profile_field,
     )
+    from neuronabox.emu.footprint import interference
     from neuronabox.fidelity.validate import run_validation
     from neuronabox.topology import load_topology
 
@@ -133,7 +134,10 @@ def main() -> int:
                       f"{est.get('all_reduce_payload_Bps', 0) * 8 / 1e6:.0f} Mbit/s, rms {ar['rms_rel_error']:.1%}, "
                       f"busy progress {(profile.get('busy_progress') or {}).get('rate', 1.0):.2f}, "
                       f"cpu {(profile.get('cpu_cost') or {}).get('per_byte_s', 0) * 1e9:.1f} ns/B per rank "
-                      f"({(profile.get('cpu_cost') or {}).get('process_per_byte_s', 0) * 1e9:.1f} in its process)", flush=True)
+                      f"({(profile.get('cpu_cost') or {}).get('process_per_byte_s', 0) * 1e9:.1f} in its process), "
+                      f"x {interference(profile) or 1.0:.2f} for the compute lost beside an op "
+                      f"(ranks {', '.join(f'{x * 1e3:.1f}' for x in (profile.get('busy_progress') or {}).get('lost_compute_s', []))} ms)",
+                      flush=True)
                 for model in models:
                     cmd = [sys.executable, str(script), "--arch", model, "--steps", str(args.steps)]
                     v = run_validation(topo_file, cmd, warmup=args.warmup, repeats=args.repeats, tolerance=0.01,
@@ -145,6 +149,10 @@ def main() -> int:
                            "real_run_medians_s": v.real.run_medians_s,
                            "calibration": {"all_reduce_segments": ar["segments"], "rms_rel_error": ar["rms_rel_error"],
                                            "busy_progress": (profile.get("busy_progress") or {}).get("rate"),
+                                           "lost_compute_s": (profile.get("busy_progress") or {}).get("lost_compute_s"),
+                                           "interference": interference(profile),
+                                           "concurrency": {k: v for k, v in (profile.get("concurrency") or {}).items()
+                                                           if k in ("size", "single_s", "pair_s", "sec_per_byte")} or None,
                                            "cpu_cost": {k: v for k, v in (profile.get("cpu_cost") or {}).items()
                                                         if k in ("per_op_s", "per_byte_s", "process_per_byte_s")}}}
                     for m in v.modes:
@@ -256,6 +264,30 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
             m = r["modes"].get(mode) or {}
             line += f" {_ms(m.get('median_s'))} | {_error_cell(m, r.get('real_run_medians_s'))} |"
         lines.append(line)
+    seen = set()
+    for r in rows:
+        c = r.get("calibration") or {}
+        if r["network"] in seen or not c:
+            continue
+        if not seen:
+            lines += ["", "Calibration (`nbox calibrate` on each network's cluster, before its rows):", ""]
+        seen.add(r["network"])
+        segs = c.get("all_reduce_segments") or [{}]
+        bw = segs[-1].get("bandwidth_Bps")
+        cost, pair, lost = c.get("cpu_cost") or {}, c.get("concurrency") or {}, c.get("lost_compute_s") or []
+        parts = [f"all-reduce bus bandwidth {bw * 8 / 1e6:.0f} Mbit/s" if bw else "all-reduce", f"rms {c.get('rms_rel_error', 0):.1%}"]
+        if c.get("busy_progress") is not None:
+            parts.append(f"busy progress {c['busy_progress']:.2f}")
+        if cost:
+            parts.append(f"host CPU {cost.get('per_byte_s', 0) * 1e9:.1f} ns/B per rank ({cost.get('process_per_byte_s', 0) * 1e9:.1f} "
+                         "in its process)")
+        if lost:
+            parts.append(f"compute lost beside an op {', '.join(f'{x * 1e3:.1f}' for x in lost)} ms by rank: "
+                         f"x {c.get('interference') or 1.0:.2f}")
+        if pair:
+            parts.append(f"two at once: {pair['size'] >> 10} KiB all-reduce {pair['single_s'] * 1e3:.1f} ms alone, "
+                         f"{pair['pair_s'] * 1e3:.1f} ms for two")
+        lines.append(f"- {r['network']}: " + "; ".join(parts) + ".")
     if args.quick:
         lines += ["", "**Smoke run (`--quick`): these figures show the script works, they are not a fidelity "
                       "measurement. Run the full command on a quiet machine for the record.**"]

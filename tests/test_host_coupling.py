@@ -312,3 +312,20 @@ def test_the_footprint_s_own_cpu_does_not_count_as_compute():
     assert spent >= 0.028 and emu._compute_cpu() - c0 < 0.005
     emu.footprint.stop()
     emu.waker.stop()
+
+
+def test_the_footprint_spends_what_the_slowest_rank_lost_beside_an_op():
+    """The host's CPU cost is scaled to the compute the slowest rank measurably lost beside an op."""
+    from neuronabox.emu.footprint import cpu_cost_from_profile, interference
+
+    cost = {"per_op_s": 0.0, "per_byte_s": 1e-9}
+    busy = {"rate": 0.5, "size": 4_000_000, "lost_compute_s": [0.003, 0.006]}
+    # the op moved half its bytes beside the compute: 2 ms of CPU cost; the slower rank lost 6 ms
+    assert interference({"cpu_cost": cost, "busy_progress": busy}) == pytest.approx(3.0)
+    assert cpu_cost_from_profile({"cpu_cost": cost, "busy_progress": busy}) == pytest.approx((0.0, 3e-9))
+    # a profile from before the measurement (or without one): the CPU cost as it is
+    assert interference({"cpu_cost": cost, "busy_progress": {"rate": 0.5, "size": 4_000_000}}) is None
+    assert cpu_cost_from_profile({"cpu_cost": cost}) == pytest.approx((0.0, 1e-9))
+    # measurements that disagree wildly are not taken at face value
+    wild = dict(busy, lost_compute_s=[0.0, 1.0])
+    assert interference({"cpu_cost": cost, "busy_progress": wild}) == 4.0

@@ -173,8 +173,12 @@ def calibrate(
         console.print(f"busy progress: an all-reduce of {format_size(busy['size'])} moves at {busy['rate']:.2f} of its idle "
                       f"speed while the ranks compute (idle {busy['idle_s'] * 1e3:.2f} ms)")
     if cpu:
+        from ..emu.footprint import interference
+
+        k = interference(doc)
         console.print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.0f} us + {cpu['per_byte_s'] * 1e9:.2f} ns/B per all-reduce "
-                      f"(model mode spends it on the real rank's core)")
+                      + (f"x {k:.2f} (the compute the slowest rank lost beside one) " if k else "")
+                      + "(model mode spends it on the real rank's core)")
     for name, why in doc["unsupported"].items():
         console.print(f"[yellow]{name}: not measured ({why})[/yellow]")
     console.print(f"wrote {out}")

@@ -742,10 +742,13 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     a = torch.randn(128, 128)
 
     def compute(until: float) -> None:
+        done = 0
         while time.perf_counter() < until:
             torch.mm(a, a)
+            done += 1
+        return done
 
-    idle, busy, rates = [], [], []
+    idle, busy, rates, alone, beside = [], [], [], [], []
     dist.all_reduce(x)
     for _ in range(plan.busy_repeats):
         dist.barrier()
@@ -755,16 +758,23 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
         w = statistics.median(idle)
         tc = w
         dist.barrier()
+        alone.append(compute(time.perf_counter() + tc))  # the same compute with no op in flight
+        dist.barrier()
         t = time.perf_counter()
         work = dist.all_reduce(x, async_op=True)
-        compute(t + tc)
+        beside.append(compute(t + tc))
         work.wait()
         took = decide([time.perf_counter() - t])[0]
         busy.append(took)
         rates.append(max(0.0, min(1.0, 1.0 - (took - w) / tc)))
     w = statistics.median(idle)
+    # Compute each rank lost beside the op: its matrix products against the same window alone.
+    rank, n = dist.get_rank(), dist.get_world_size()
+    lost = torch.zeros(n, dtype=torch.float64)
+    lost[rank] = w * max(0.0, 1.0 - statistics.median(beside) / max(statistics.median(alone), 1))
+    dist.all_reduce(lost)
     return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": w,
-            "idle_samples": idle, "busy_samples": busy, "rates": rates}
+            "idle_samples": idle, "busy_samples": busy, "rates": rates, "lost_compute_s": lost.tolist()}
 
 
 def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
