@@ -322,10 +322,36 @@ def test_the_footprint_spends_what_the_slowest_rank_lost_beside_an_op():
     busy = {"rate": 0.5, "size": 4_000_000, "lost_compute_s": [0.003, 0.006]}
     # the op moved half its bytes beside the compute: 2 ms of CPU cost; the slower rank lost 6 ms
     assert interference({"cpu_cost": cost, "busy_progress": busy}) == pytest.approx(3.0)
-    assert cpu_cost_from_profile({"cpu_cost": cost, "busy_progress": busy}) == pytest.approx((0.0, 3e-9))
+    assert cpu_cost_from_profile({"cpu_cost": cost, "busy_progress": busy}) == pytest.approx((0.0, 1e-9))
     # a profile from before the measurement (or without one): the CPU cost as it is
     assert interference({"cpu_cost": cost, "busy_progress": {"rate": 0.5, "size": 4_000_000}}) is None
     assert cpu_cost_from_profile({"cpu_cost": cost}) == pytest.approx((0.0, 1e-9))
     # measurements that disagree wildly are not taken at face value
     wild = dict(busy, lost_compute_s=[0.0, 1.0])
     assert interference({"cpu_cost": cost, "busy_progress": wild}) == 4.0
+
+
+def test_the_surplus_over_an_ops_cpu_is_spent_beside_it_and_never_holds_it_up():
+    """scale 3: the op completes once its own CPU is spent; the surplus goes on only until its modeled end."""
+    from neuronabox.emu.footprint import Footprint
+
+    fp = Footprint(0.0, 0.0, scale=3.0)
+    t = time.perf_counter()
+    r = rec(0, t, 0.060)
+    r.end = t + 0.060
+    fp.charge(r, 0.030)  # 30 ms of CPU holds it; 60 more beside it, but the op lasts only 60 ms
+    fp.wait(r)
+    held = time.perf_counter() - t
+    time.sleep(0.100)
+    fp.stop()
+    assert fp.done(r) and held < 0.055  # its own 30 ms, paced over its 60 ms as a third of the total
+    assert fp.spent == pytest.approx(0.060, abs=0.008)  # stopped at the op's end: not 90 ms
+    assert r.end == pytest.approx(t + 0.060, abs=0.002)  # not extended
+    small = Footprint(0.0, 0.0, scale=0.5)
+    r2 = rec(1, 0.0, 0.0)
+    r2.end = 0.0
+    small.charge(r2, 0.020)
+    small.wait(r2)
+    time.sleep(0.010)
+    small.stop()
+    assert small.spent == pytest.approx(0.010, abs=0.003)  # below 1 the cost itself shrinks

@@ -179,6 +179,10 @@ def calibrate(
         console.print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.0f} us + {cpu['per_byte_s'] * 1e9:.2f} ns/B per all-reduce "
                       + (f"x {k:.2f} (the compute the slowest rank lost beside one) " if k else "")
                       + "(model mode spends it on the real rank's core)")
+    pair = doc.get("concurrency")
+    if pair:
+        console.print(f"two at once: two all-reduces of {format_size(pair['size'])} take {pair['pair_s'] * 1e3:.2f} ms together, "
+                      f"one {pair['single_s'] * 1e3:.2f} ms alone (gloo runs two ops of a group at once)")
     for name, why in doc["unsupported"].items():
         console.print(f"[yellow]{name}: not measured ({why})[/yellow]")
     console.print(f"wrote {out}")

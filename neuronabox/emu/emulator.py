@@ -17,7 +17,7 @@ from pathlib import Path
 from ..collectives import Op
 from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
-from .footprint import Footprint, cpu_cost_from_profile
+from .footprint import Footprint, cpu_cost_from_profile, interference
 from .host_coupling import HostCoupling, busy_rate_from_profile
 from .straggler import ComputeSkew, compute_factors
 from .timeline import Recorder, StragglerHook, Timeline, Waker
@@ -103,7 +103,8 @@ class Emulator:
         # op back while the compute holds the core (measured on the real ranks, with gloo's own
         # CPU in the picture). NBOX_FOOTPRINT=0 turns the footprint off (a diagnostic switch).
         cost = cpu_cost_from_profile(profile) if modeled_cpu and os.environ.get("NBOX_FOOTPRINT", "1") != "0" else None
-        self.footprint: Footprint | None = Footprint(*cost) if cost is not None else None
+        self.footprint: Footprint | None = (Footprint(*cost, scale=interference(profile) or 1.0)
+                                            if cost is not None else None)
         rate = busy_rate_from_profile(profile)
         self.busy_rate: float | None = rate if (rate is not None and rate < 1.0 and modeled_cpu) else None
 

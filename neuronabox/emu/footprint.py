@@ -66,25 +66,22 @@ def interference(profile: dict | None) -> float | None:
 
 
 def cpu_cost_from_profile(profile: dict | None) -> tuple[float, float] | None:
-    """(seconds per op, seconds per byte) of compute per rank an all-reduce takes, if the profile has them.
-
-    The host CPU cost line, scaled by ``interference`` where the profile measured it.
-    """
+    """(seconds per op, seconds per byte) of CPU per rank for an all-reduce, if the profile has them."""
     if not profile:
         return None
     c = profile.get("cpu_cost")
     if not isinstance(c, dict) or c.get("per_byte_s") is None:
         return None
-    k = interference(profile) or 1.0
-    return k * max(0.0, float(c.get("per_op_s") or 0.0)), k * max(0.0, float(c["per_byte_s"]))
+    return max(0.0, float(c.get("per_op_s") or 0.0)), max(0.0, float(c["per_byte_s"]))
 
 
 class _Charge:
-    __slots__ = ("rec", "seconds", "begin", "span", "done", "event", "callbacks")
+    __slots__ = ("rec", "hold", "seconds", "begin", "span", "done", "event", "callbacks")
 
-    def __init__(self, rec: "OpRecord", seconds: float):
+    def __init__(self, rec: "OpRecord", hold: float, seconds: float):
         self.rec = rec
-        self.seconds = seconds
+        self.hold = hold  # the op completes no earlier than this much is spent
+        self.seconds = seconds  # all of it: the rest only within the op's span
         # The bytes move from when the op has the link until its modeled end; its CPU goes with them.
         end = rec.end
         if end is not None and rec.start is not None:
@@ -102,14 +99,22 @@ class _Charge:
 
 
 class Footprint:
-    """One thread spending the calibrated CPU of each op, FIFO."""
+    """One thread spending the calibrated CPU of each op, FIFO.
 
-    def __init__(self, per_op_s: float, per_byte_s: float, clock: Callable[[], float] = time.perf_counter):
+    ``scale`` (``interference``) is what the compute measurably loses beside an op over its CPU
+    cost. Above 1 the surplus is spent beside the op, paced with its bytes, but never holds it
+    up: it stops at the op's modeled end or when the next op is charged (an op whose CPU is its
+    whole time, at 10 Gbit/s, must not end later for it). Below 1 the cost itself shrinks.
+    """
+
+    def __init__(self, per_op_s: float, per_byte_s: float, clock: Callable[[], float] = time.perf_counter,
+                 scale: float = 1.0):
         from ..fidelity.calibrate import ring_terms  # the calibration's closed forms (a layer above)
 
         self._ring_terms = ring_terms
         self.per_op_s = per_op_s
         self.per_byte_s = per_byte_s
+        self.scale = scale
         self._clock = clock
         self._queue: deque[_Charge] = deque()
         self._charges: dict[int, _Charge] = {}
@@ -137,8 +142,8 @@ class Footprint:
         return self.per_op_s + self.per_byte_s * nbytes * f / f_ar
 
     def charge(self, rec: "OpRecord", seconds: float) -> None:
-        """Spend ``seconds`` of CPU for ``rec`` after the ops charged before it."""
-        c = _Charge(rec, seconds)
+        """Spend ``seconds`` of CPU (times ``scale``) for ``rec`` after the ops charged before it."""
+        c = _Charge(rec, seconds * min(1.0, self.scale), seconds * self.scale)
         with self._cond:
             if self._stopped:
                 c.done = self._clock()
@@ -203,6 +208,10 @@ class Footprint:
             t0 = thread_time()
             spent = 0.0
             while spent < c.seconds and not self._stopped:
+                if c.done is None and spent >= c.hold:
+                    self._complete(c)
+                elif c.done is not None and (self._clock() >= c.begin + c.span or len(self._queue) > 1):
+                    break  # the surplus: only beside this op, never ahead of the next one
                 # Ahead of the bytes: sleep until the next quantum is due (a new op or stop wakes it early).
                 ahead = c.due(min(c.seconds, spent + QUANTUM)) - self._clock()
                 if ahead > 0.0:
@@ -213,20 +222,25 @@ class Footprint:
                     memcpy(dst, src, CHUNK)
                 spent = thread_time() - t0
             self.spent += spent
-            now = self._clock()
             with self._cond:
                 if self._queue and self._queue[0] is c:
                     self._queue.popleft()
-                c.done = now
-                callbacks, c.callbacks = c.callbacks, []
-                self._charges.pop(c.rec.seq, None)  # done: an unknown op counts as done
-            if c.rec.end is not None and now > c.rec.end:
-                c.rec.end = now
-            c.event.set()
-            for cb in callbacks:
-                try:
-                    cb(now)
-                except Exception:  # noqa: BLE001 - one failing callback must not stop the others
-                    import traceback
+            if c.done is None:
+                self._complete(c)
 
-                    traceback.print_exc()
+    def _complete(self, c: _Charge) -> None:
+        now = self._clock()
+        with self._cond:
+            c.done = now
+            callbacks, c.callbacks = c.callbacks, []
+            self._charges.pop(c.rec.seq, None)  # done: an unknown op counts as done
+        if c.rec.end is not None and now > c.rec.end:
+            c.rec.end = now
+        c.event.set()
+        for cb in callbacks:
+            try:
+                cb(now)
+            except Exception:  # noqa: BLE001 - one failing callback must not stop the others
+                import traceback
+
+                traceback.print_exc()

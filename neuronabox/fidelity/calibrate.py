@@ -723,6 +723,16 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     return {"per_op_s": per_op, "per_byte_s": per_byte, **extra}
 
 
+def _timed(call: Callable[[], object], decide) -> float:
+    """Seconds ``call()`` took on the slowest rank, every rank starting it together after a barrier."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    call()
+    return decide([time.perf_counter() - t])[0]
+
+
 def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     """How fast an all-reduce progresses while every rank computes, relative to idle ranks (0..1).
 
@@ -751,10 +761,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     idle, busy, rates, alone, beside = [], [], [], [], []
     dist.all_reduce(x)
     for _ in range(plan.busy_repeats):
-        dist.barrier()
-        t = time.perf_counter()
-        dist.all_reduce(x)
-        idle.append(decide([time.perf_counter() - t])[0])
+        idle.append(_timed(lambda: dist.all_reduce(x), decide))
         w = statistics.median(idle)
         tc = w
         dist.barrier()
@@ -795,17 +802,13 @@ def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
     a, b = torch.ones(max(1, size // 4)), torch.ones(max(1, size // 4))
     single, pair = [], []
     dist.all_reduce(a)
-    for _ in range(plan.pair_repeats):
-        dist.barrier()
-        t = time.perf_counter()
-        dist.all_reduce(a)
-        single.append(decide([time.perf_counter() - t])[0])
-        dist.barrier()
-        t = time.perf_counter()
-        works = [dist.all_reduce(x, async_op=True) for x in (a, b)]
-        for w in works:
+    def two() -> None:
+        for w in [dist.all_reduce(x, async_op=True) for x in (a, b)]:
             w.wait()
-        pair.append(decide([time.perf_counter() - t])[0])
+
+    for _ in range(plan.pair_repeats):
+        single.append(_timed(lambda: dist.all_reduce(a), decide))
+        pair.append(_timed(two, decide))
     latency = rows[0]["time_s"]
     t1, t2 = statistics.median(single), statistics.median(pair)
     size = a.numel() * 4
