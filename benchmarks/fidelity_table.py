@@ -66,9 +66,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of each run")
     p.add_argument("--modes", default="model,wire")
     p.add_argument("--calibrate-sizes", default="4B:64MiB")
-    p.add_argument("--calibrate-budget", type=float, default=2.0,
+    p.add_argument("--calibrate-budget", type=float, default=4.0,
                    help="seconds of samples per size (nbox calibrate --budget): DDP's bucket sizes are noisy at 100 Mbit/s "
-                        "(0.6 s, 3 samples of a 2 MiB all-reduce: the fitted bandwidth moved 4%% between calibrations; 2 s: 2%%)")
+                        "(0.6 s, 3 samples of a 2 MiB all-reduce: the fitted bandwidth moved 4%% between calibrations; "
+                        "2 s, 10 samples: 2%%, and the 2 MiB point itself 192-204 ms; 4 s: 20 samples)")
     p.add_argument("--no-twin", dest="twin", action="store_false",
                    help="no load twin (for a real system on separate machines; here it measures the sharing, not the emulator)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 10 steps, 3 warm-up, small calibration")
