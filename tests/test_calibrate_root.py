@@ -59,7 +59,7 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     # host coupling: a progress rate under compute (wire-bound at 100 Mbit/s: most of the way on)
     # and gloo's CPU per rank per byte (the same order as a memcpy plus a TCP round, 0.1-20 ns/B)
     busy, cpu = doc["busy_progress"], doc["cpu_cost"]
-    assert 0.0 <= busy["rate"] <= 1.0 and len(busy["rates"]) == 9
+    assert 0.0 <= busy["rate"] <= 1.0 and len(busy["rates"]) == 21
     assert len(busy["lost_compute_s"]) == 2 and all(0.0 <= x <= busy["compute_s"] for x in busy["lost_compute_s"])
     assert 0.1e-9 <= cpu["per_byte_s"] <= 20e-9 and cpu["per_op_s"] >= 0.0
     assert "busy progress:" in r.stdout and "cpu cost per rank:" in r.stdout

@@ -508,7 +508,7 @@ class WorkerPlan:
     max_samples: int = 40
     out: str = ""
     extra: dict = field(default_factory=dict)
-    busy_repeats: int = 9  # samples of the busy-progress measurement (0: skip it)
+    busy_repeats: int = 21  # samples of the busy-progress measurement (0: skip it)
     busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
     pair_repeats: int = 7  # samples of two all-reduces at once (0: skip it)
 
@@ -744,7 +744,8 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     after computing was ``W - r·Tc``, so ``T = Tc + W - r·Tc`` and ``r = 1 - (T - W)/Tc``.
     ``Tc = W`` spans r = 0..1 over T = 2W..W, so a few ms of noise in one sample moves r
     little (with W/2 the rate at 100 Mbit/s swung between 0.6 and 1.0). Idle and busy samples
-    alternate, so drift hits both; the rate is the median.
+    alternate, so drift hits both; the rate is the median of 21 (of 9, it read 0.71-1.00 in six
+    calibrations of one 1 Gbit/s network).
     """
     import torch
     import torch.distributed as dist
@@ -761,7 +762,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
             done += 1
         return done
 
-    idle, busy, rates, alone, beside = [], [], [], [], []
+    idle, busy, windows, alone, beside = [], [], [], [], []
     dist.all_reduce(x)
     for _ in range(plan.busy_repeats):
         idle.append(_timed(lambda: dist.all_reduce(x), decide))
@@ -774,10 +775,11 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
         work = dist.all_reduce(x, async_op=True)
         beside.append(compute(t + tc))
         work.wait()
-        took = decide([time.perf_counter() - t])[0]
-        busy.append(took)
-        rates.append(max(0.0, min(1.0, 1.0 - (took - w) / tc)))
+        busy.append(decide([time.perf_counter() - t])[0])
+        windows.append(tc)
     w = statistics.median(idle)
+    # Each sample against the idle time of all of them (a running median moved with the first few).
+    rates = [max(0.0, min(1.0, 1.0 - (took - w) / tc)) for took, tc in zip(busy, windows)]
     # Compute each rank lost beside the op: its matrix products against the same window alone.
     rank, n = dist.get_rank(), dist.get_world_size()
     lost = torch.zeros(n, dtype=torch.float64)
