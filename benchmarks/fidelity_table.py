@@ -131,13 +131,14 @@ def main() -> int:
                 write_profile_field(topo_file, prof_file)
                 ar = profile["ops"]["all_reduce"]
                 est = profile["link_estimate"]
+                bp, cost = profile.get("busy_progress") or {}, profile.get("cpu_cost") or {}
                 print(f"[{key}] calibrated in {time.perf_counter() - t0:.0f} s: all-reduce {len(ar['segments'])} segments, "
                       f"{est.get('all_reduce_payload_Bps', 0) * 8 / 1e6:.0f} Mbit/s, rms {ar['rms_rel_error']:.1%}, "
-                      f"busy progress {(profile.get('busy_progress') or {}).get('rate', 1.0):.2f}, "
-                      f"cpu {(profile.get('cpu_cost') or {}).get('per_byte_s', 0) * 1e9:.1f} ns/B per rank "
-                      f"({(profile.get('cpu_cost') or {}).get('process_per_byte_s', 0) * 1e9:.1f} in its process), "
+                      f"busy progress {bp.get('rate', 1.0):.2f}, "
+                      f"cpu {cost.get('per_byte_s', 0) * 1e9:.1f} ns/B per rank "
+                      f"({cost.get('process_per_byte_s', 0) * 1e9:.1f} in its process), "
                       f"x {interference(profile) or 1.0:.2f} for the compute lost beside an op "
-                      f"(ranks {', '.join(f'{x * 1e3:.1f}' for x in (profile.get('busy_progress') or {}).get('lost_compute_s', []))} ms)",
+                      f"(ranks {', '.join(f'{x * 1e3:.1f}' for x in bp.get('lost_compute_s', []))} ms)",
                       flush=True)
                 for model in models:
                     cmd = [sys.executable, str(script), "--arch", model, "--steps", str(args.steps)]
@@ -149,12 +150,12 @@ def main() -> int:
                            "real_median_s": v.real.median_s, "real_p95_s": v.real.p95_s, "real_spread": v.real_spread,
                            "real_run_medians_s": v.real.run_medians_s,
                            "calibration": {"all_reduce_segments": ar["segments"], "rms_rel_error": ar["rms_rel_error"],
-                                           "busy_progress": (profile.get("busy_progress") or {}).get("rate"),
-                                           "lost_compute_s": (profile.get("busy_progress") or {}).get("lost_compute_s"),
+                                           "busy_progress": bp.get("rate"),
+                                           "lost_compute_s": bp.get("lost_compute_s"),
                                            "interference": interference(profile),
                                            "concurrency": {k: v for k, v in (profile.get("concurrency") or {}).items()
                                                            if k in ("size", "single_s", "pair_s", "sec_per_byte")} or None,
-                                           "cpu_cost": {k: v for k, v in (profile.get("cpu_cost") or {}).items()
+                                           "cpu_cost": {k: v for k, v in cost.items()
                                                         if k in ("per_op_s", "per_byte_s", "process_per_byte_s")}}}
                     for m in v.modes:
                         row.setdefault("modes", {})[m.mode] = {"available": m.available, "why": m.why, "failed": m.failed, "median_s": m.median_s,
@@ -253,8 +254,8 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         "≈ marks an error within the real spread; [a, b] is the error's 95% bootstrap interval over whole runs "
         "(each system's run medians resampled, 2000 draws): where it is wider than ±1%, these runs cannot tell "
         "a 1% error from none. It leaves out the variation between calibrations (model mode) and between "
-        "cluster instances, which is larger here: the same code gave the 100 Mbit/s CNN model errors of +12.9%, "
-        "+1.75% and +9.2% in three runs of this table, each run's own model medians within 2%.",
+        "cluster instances, which is larger here: an earlier version of the code gave the 100 Mbit/s CNN model "
+        "errors of +12.9%, +1.75% and +9.2% in three runs of this table, each run's own model medians within 2%.",
         "",
         head,
         sep,

@@ -45,7 +45,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def cpu_mask(cpus: set[int] | None = None) -> str:
     """The kernel's bitmap text for a CPU set (32-bit groups, comma-separated), all online CPUs by default."""
-    cpus = cpus if cpus is not None else set(range(os.cpu_count() or 1))
+    cpus = cpus if cpus is not None else _all_cpus()
     bits = sum(1 << c for c in cpus)
     groups = []
     while True:

@@ -651,17 +651,17 @@ def _worker(plan_path: str) -> None:
     if plan.busy_repeats > 0 and results.get(Op.ALL_REDUCE.value):
         busy = _busy_progress(plan, results[Op.ALL_REDUCE.value], decide)
         cpu = _cpu_cost(results[Op.ALL_REDUCE.value], n, decide)
-    if plan.pair_repeats > 0 and len(results.get(Op.ALL_REDUCE.value, [])) >= 2:
-        pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, decide)
-        if rank == 0:
-            print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone, "
-                  f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
         if rank == 0:
             print(f"busy progress: rate {busy['rate']:.3f} at {busy['size']} B "
                   f"(idle {busy['idle_s'] * 1e3:.2f} ms, computing {busy['compute_s'] * 1e3:.2f} ms)", flush=True)
         if rank == 0 and cpu:
             print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.1f} us + {cpu['per_byte_s'] * 1e9:.3f} ns/B "
                   f"(all-reduce)", flush=True)
+    if plan.pair_repeats > 0 and len(results.get(Op.ALL_REDUCE.value, [])) >= 2:
+        pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, decide)
+        if rank == 0:
+            print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone, "
+                  f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
     if rank == 0:
         Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated,
                                               "busy_progress": busy, "cpu_cost": cpu, "concurrency": pair}))
@@ -755,7 +755,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     x = torch.ones(max(1, size // 4))
     a = torch.randn(128, 128)
 
-    def compute(until: float) -> None:
+    def compute(until: float) -> int:
         done = 0
         while time.perf_counter() < until:
             torch.mm(a, a)
@@ -807,6 +807,7 @@ def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
     a, b = torch.ones(max(1, size // 4)), torch.ones(max(1, size // 4))
     single, pair = [], []
     dist.all_reduce(a)
+
     def two() -> None:
         for w in [dist.all_reduce(x, async_op=True) for x in (a, b)]:
             w.wait()

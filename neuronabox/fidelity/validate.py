@@ -121,9 +121,10 @@ def cluster_for(topology, name: str | None = None, progress: Callable[[str], Non
 
 
 def rank_cores(world: int) -> list[int]:
-    """The core each rank is pinned to: its own core while there are enough, round robin after."""
-    cores = sorted(os.sched_getaffinity(0))
-    return [cores[r % len(cores)] for r in range(world)]
+    """The core each rank is pinned to: its own core while there are enough, round robin after (node k's CPU for rank k)."""
+    from ..cluster.steering import node_cpu
+
+    return [node_cpu(r) for r in range(world)]
 
 
 def twin_ranks(world: int, real_rank: int) -> list[tuple[int, int]]:
