@@ -21,6 +21,7 @@ import pytest
 from neuronabox.cluster import runtime as rt
 from neuronabox.cluster.netns import Namespace
 from neuronabox.cluster.relay import TimerQueue
+from neuronabox.cluster.state import ClusterState
 
 from .conftest import private_cluster_state, topo
 
@@ -99,5 +100,75 @@ def test_the_relay_survives_peers_that_reset_while_their_eof_is_delayed():
         srv.close()
         # Still delaying (the server's first byte comes back 1 ms late), not frozen.
         assert 0.0009 <= took < 1.0
+    finally:
+        rt.down(name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, iptables)")
+def test_each_nodes_sending_is_copied_by_the_relay_on_its_own_cpu():
+    import json
+    import urllib.request
+
+    import psutil
+
+    from neuronabox.cluster.steering import node_cpu
+
+    name = "rlycpu"
+    res = rt.up(topo("cluster: {nodes: 2}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 2ms}}\n"),
+                runtime="netns", name=name)
+    try:
+        a, b = res.nodes
+        srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.bind((b["address"], 0))
+        srv.listen(8)
+        up_bytes, down_bytes = os.urandom(1 << 20), os.urandom(3 << 20)
+        got_up: list[bytes] = []
+
+        def serve() -> None:
+            c, _ = srv.accept()
+            buf = bytearray()
+            while chunk := c.recv(1 << 16):  # until the client's EOF, which crossed the other relay
+                buf += chunk
+            got_up.append(bytes(buf))
+            c.sendall(down_bytes)
+            c.close()
+
+        th = threading.Thread(target=serve, daemon=True)
+        th.start()
+        c = Namespace(a["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        c.settimeout(10)
+        t = time.perf_counter()
+        c.connect((b["address"], srv.getsockname()[1]))
+        c.sendall(up_bytes)
+        c.shutdown(socket.SHUT_WR)
+        back = bytearray()
+        while chunk := c.recv(1 << 16):
+            back += chunk
+        took = time.perf_counter() - t
+        c.close()
+        th.join(5)
+        srv.close()
+        assert got_up == [up_bytes] and bytes(back) == down_bytes
+        assert took >= 0.004  # a round trip of 2 ms each way, still delayed
+
+        with urllib.request.urlopen(res.agent_url + "/health", timeout=5) as r:
+            relays = json.load(r)["relay"]["relays"]
+        by_cpu = {x["cpu"]: x for x in relays}
+        if len(os.sched_getaffinity(0)) < 2:
+            pytest.skip("one CPU: both nodes share one relay")
+        ca, cb = node_cpu(0), node_cpu(1)
+        assert set(by_cpu) == {ca, cb}
+        for cpu, x in by_cpu.items():
+            assert psutil.Process(x["pid"]).cpu_affinity() == [cpu]
+        # What each node sent was copied by the relay on its CPU, and only there.
+        assert by_cpu[ca]["bytes"] == len(up_bytes) and by_cpu[ca]["connections"] == 1
+        assert by_cpu[cb]["bytes"] == len(down_bytes) and by_cpu[cb]["connections"] == 0
+
+        # The relays die with the agent, however it ends.
+        pids = [x["pid"] for x in relays]
+        agent = psutil.Process(json.loads((ClusterState(name).dir / "agent.json").read_text())["pid"])
+        agent.kill()
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids], timeout=5)
+        assert not alive
     finally:
         rt.down(name)

@@ -7,8 +7,9 @@ It owns what changes while a cluster runs:
   "loss": "0.1%", "direction": "both|ab|ba"}`` (strings with units, or numbers in bytes/s,
   seconds and fractions), applied live (``tc change`` through pyroute2, the relay's delay
   table, the loss rules); ``GET /metrics`` (Prometheus), ``GET /health``;
-- the user-space delay path for all node namespaces when the kernel lacks netem: the TCP relay
-  (``relay.py``) and the NFQUEUE delay line for ICMP and UDP (``nfqueue.py``), one delay table;
+- the user-space delay path for all node namespaces when the kernel lacks netem: the TCP relays
+  (``relay.py``, one process per node CPU: ``relay_pool.py``) and the NFQUEUE delay line for
+  ICMP and UDP (``nfqueue.py``), fed the same delay table;
 - per-link counters read from the kernel on each scrape: bytes and packets (the sending end's
   tx counters) and drops (its qdisc's drops, its tx drops and the receiver's rx drops),
   exported as ``nbox_link_*`` metrics in base units.
@@ -32,7 +33,8 @@ from ..errors import InputError
 from ..units import UnitError, parse_bandwidth, parse_duration, parse_ratio
 from .netns import Namespace
 from .nfqueue import DelayLine
-from .relay import Delays, Relay
+from .relay import Delays, DelayTable, TimerQueue
+from .relay_pool import RelayPool
 from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, iptables, loss_rules, mechanisms
 from .state import ClusterState
 from .steering import steer_flows, steering
@@ -85,8 +87,9 @@ def parse_shape_changes(body: dict) -> dict[str, float]:
 class Agent:
     """A cluster's live shaping state: links, their shapes, the kernel objects and the relay."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, token: str = ""):
         self.name = name
+        self.token = token
         st = ClusterState.load(name)
         plan = st["plan"]
         self.plan = plan
@@ -106,7 +109,8 @@ class Agent:
         # when it first talks: every netlink call therefore runs on this one thread, whose
         # sockets are made inside the right namespace.
         self.nl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbox-netlink")
-        self.relay: Relay | None = None
+        self.relays: RelayPool | None = None
+        self.delays = DelayTable()  # the delay line's copy of the table the relays hold
         self.delayline: DelayLine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -127,16 +131,21 @@ class Agent:
         return ipr
 
     # ---- delays for the relay -----------------------------------------------------------
-    def route_delays(self) -> dict[str, dict[str, Delays]]:
-        """Per node namespace: destination address -> one-way delays of the route both ways."""
-        # A node is reached at its node address and at each of its NICs' addresses: traffic to
-        # any of them crosses the same route, so each gets the route's delays.
+    def node_addresses(self) -> dict[str, list[str]]:
+        """Per node: its node address and each of its NICs' addresses."""
         addrs: dict[str, list[str]] = {h["node"]: [h["address"]] for h in self.hosts}
         for lk in self.links.values():
             for end in (lk["a"], lk["b"]):
                 node = end["vertex"].split("/", 1)[0]
                 if end.get("addr") and node in addrs and end["addr"] not in addrs[node]:
                     addrs[node].append(end["addr"])
+        return addrs
+
+    def route_delays(self) -> dict[str, dict[str, Delays]]:
+        """Per node namespace: destination address -> one-way delays of the route both ways."""
+        # A node is reached at its node address and at each of its NICs' addresses: traffic to
+        # any of them crosses the same route, so each gets the route's delays.
+        addrs = self.node_addresses()
         ns_of = {h["node"]: h["ns"] for h in self.hosts}
         one_way: dict[tuple[str, str], tuple[float, float]] = {}
         for src, dst, hops in self.pair_links:
@@ -156,7 +165,7 @@ class Agent:
         return {ns for ns, t in self.route_delays().items() if t} if not self.netem else set()
 
     def _sync_relay(self) -> None:
-        if self.netem or self.relay is None:
+        if self.netem or self.relays is None:
             return
         table = self.route_delays()
         for ns in self.needs_relay() - self.relay_ns:
@@ -167,7 +176,11 @@ class Agent:
                 iptables(Namespace(ns), r)
             self.relay_ns.add(ns)
         for ns, t in table.items():
-            self.loop.call_soon_threadsafe(self.relay.set_delays, ns, t)
+            self._set_delays(ns, t)
+
+    def _set_delays(self, ns: str, table: dict[str, Delays]) -> None:
+        self.relays.set_delays(ns, table)
+        self.loop.call_soon_threadsafe(self.delays.set, ns, table)
 
     # ---- views ---------------------------------------------------------------------------
     def view(self, lid: int, counters: dict | None = None) -> dict:
@@ -314,12 +327,13 @@ class Agent:
                         loss.add_metric(lv, s.loss)
                 yield from fam.values()
                 yield from (rate, delay, jitter, loss)
-                if agent.relay is not None:
+                if agent.relays is not None:
+                    rs = agent.relays.stats()
                     c = CounterMetricFamily("nbox_relay_connections", "Connections through the delay relay", labels=["cluster"])
-                    c.add_metric([agent.name], agent.relay.connections)
+                    c.add_metric([agent.name], rs["connections"])
                     yield c
                     b = CounterMetricFamily("nbox_relay_bytes", "Bytes through the delay relay", labels=["cluster"])
-                    b.add_metric([agent.name], agent.relay.bytes)
+                    b.add_metric([agent.name], rs["bytes"])
                     yield b
                 if agent.delayline is not None:
                     q = CounterMetricFamily("nbox_nfqueue_packets", "Non-TCP packets held by the NFQUEUE delay line",
@@ -347,9 +361,9 @@ class Agent:
                     if path == "/metrics":
                         self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
                     elif path == "/health":
-                        r, q = agent.relay, agent.delayline
+                        r, q = agent.relays, agent.delayline
                         self._send(200, {"cluster": agent.name, "pid": os.getpid(), "relay_namespaces": sorted(agent.relay_ns),
-                                         "relay": None if r is None else {"connections": r.connections, "bytes": r.bytes, "errors": r.errors},
+                                         "relay": None if r is None else r.stats(),
                                          "nfqueue": None if q is None else {"queues": len(q.queues), "held": q.held, "released": q.released}})
                     elif path == "/links":
                         c = agent.counters()
@@ -391,13 +405,14 @@ class Agent:
         """Serve until SIGTERM: relay listeners in node namespaces, HTTP API on 127.0.0.1."""
         self.loop = asyncio.get_running_loop()
         if not self.netem:
-            self.relay = Relay(self.loop, port=self.relay_port)
-            for h in self.hosts:
-                await self.relay.listen(h["ns"], Namespace(h["ns"]))
+            self.relays = RelayPool(self.hosts, self.node_addresses(), self.relay_port, self.token)
+            # Started from a thread: the relays' start-up answers are waited for without the loop.
+            await self.loop.run_in_executor(None, self.relays.start)
             for ns, t in self.route_delays().items():
-                self.relay.set_delays(ns, t)
-            # Non-TCP packets: the same delay table and timer heap as the relay's streams.
-            self.delayline = DelayLine(self.loop, self.relay.timers, self.relay.lookup)
+                self._set_delays(ns, t)
+            # Non-TCP packets: the same delay table, timed in this process.
+            self.timers = TimerQueue(self.loop)
+            self.delayline = DelayLine(self.loop, self.timers, self.delays.lookup)
             for h in self.hosts:
                 try:
                     self.delayline.attach(h["ns"], Namespace(h["ns"]))
@@ -421,8 +436,9 @@ class Agent:
         httpd.server_close()
         if self.delayline is not None:
             self.delayline.close()
-        if self.relay is not None:
-            self.relay.close()
+            self.timers.close()
+        if self.relays is not None:
+            self.relays.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--token", default="")  # only there so that `down` can find this process by its command line
     args = ap.parse_args(argv)
-    asyncio.run(Agent(args.name).run(args.port))
+    asyncio.run(Agent(args.name, args.token).run(args.port))
     return 0
 
 

@@ -32,7 +32,7 @@ import tempfile
 import threading
 from typing import Callable, Iterable, Sequence
 
-__all__ = ["cpu_mask", "node_cpu", "steering", "steer_flows", "rps_masks", "STEER_MAX_RATE"]
+__all__ = ["cpu_mask", "node_cpu", "node_home", "steering", "steer_flows", "rps_masks", "STEER_MAX_RATE"]
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -103,7 +103,8 @@ def node_cpu(index: int) -> int:
     return cpus[index % len(cpus)]
 
 
-def _home(ns: str) -> int | None:
+def node_home(ns: str) -> int | None:
+    """The CPU of the node whose namespace is ``ns`` (None for a switch or a foreign namespace)."""
     from .netns import ns_role
 
     role = ns_role(ns)
@@ -111,7 +112,7 @@ def _home(ns: str) -> int | None:
 
 
 def steering(links: Iterable[tuple[Sequence[tuple[str, str]], float, float]],
-             home: Callable[[str], int | None] = _home) -> dict[str, dict[str, str]]:
+             home: Callable[[str], int | None] = node_home) -> dict[str, dict[str, str]]:
     """Namespace -> {interface: ``rps_cpus`` mask, "0" for not steered} for links given as ((ns, ifname) of each end, rate a->b, rate b->a).
 
     A link is steered when both directions are shaped at most STEER_MAX_RATE (0 is unshaped: as

@@ -1,0 +1,208 @@
+"""The agent's delay relays, one process per CPU that homes nodes, each pinned to that CPU.
+
+A node's outgoing TCP connections are accepted by the relay on the node's CPU (``steering.
+node_cpu``: node k's rank is pinned there, and its interfaces' receive work is steered
+there). That relay copies what the node sends; the way back of each connection is handed,
+both sockets duplicated over a Unix socket (SCM_RIGHTS), to the relay on the destination
+node's CPU, which copies what that node sends. So each node's sending costs its own core,
+whatever the scheduler would have chosen, and the two ranks of a 2-node cluster pay alike.
+
+The agent talks to each relay over a SOCK_SEQPACKET pair: JSON messages ``delays`` (one
+namespace's table), ``ping`` (answered once everything before it is applied) and ``stats``.
+A relay exits when the agent's end closes, and dies with it (PR_SET_PDEATHSIG); its command
+line carries the agent's token, so ``nbox down`` finds it even after a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import astuple
+
+from .netns import Namespace
+from .relay import Delays, Peers, Relay
+from .steering import node_home
+
+__all__ = ["RelayPool", "main"]
+
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Worker:
+    """The agent's handle on one relay process."""
+
+    def __init__(self, index: int, cpu: int | None, namespaces: list[str]):
+        self.index = index
+        self.cpu = cpu
+        self.namespaces = namespaces
+        self.control, self.remote_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Other relays write to ``outbox``; this one reads ``inbox``.
+        self.inbox, self.outbox = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def ask(self, msg: dict, timeout: float = 5.0) -> dict:
+        """Send a request and wait for its answer."""
+        with self.lock:
+            self.control.settimeout(timeout)
+            self.control.send(json.dumps(msg).encode())
+            return json.loads(self.control.recv(1 << 16))
+
+    def tell(self, msg: dict) -> None:
+        """Send a message that has no answer."""
+        with self.lock:
+            self.control.settimeout(5.0)
+            self.control.send(json.dumps(msg).encode())
+
+
+class RelayPool:
+    """The relays of one cluster: which namespaces each serves, their processes, one delay table."""
+
+    def __init__(self, hosts: list[dict], addresses: dict[str, list[str]], port: int, token: str = "",
+                 home=node_home):
+        groups: dict[int | None, list[str]] = {}
+        for h in hosts:
+            groups.setdefault(home(h["ns"]), []).append(h["ns"])
+        self.workers = [_Worker(i, cpu, nss) for i, (cpu, nss) in enumerate(sorted(groups.items(), key=lambda g: (g[0] is None, g[0] or 0)))]
+        by_ns = {ns: w.index for w in self.workers for ns in w.namespaces}
+        # A connection's way back goes to the relay of the node that owns the destination address.
+        self.homes = {a: by_ns[h["ns"]] for h in hosts for a in addresses.get(h["node"], [])}
+        self.port = port
+        self.token = token
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start every relay and wait until each listens in all its namespaces."""
+        for w in self.workers:
+            outboxes = {o.index: o.outbox.fileno() for o in self.workers if o is not w}
+            cfg = {"index": w.index, "cpu": w.cpu, "namespaces": w.namespaces, "port": self.port, "homes": self.homes,
+                   "control": w.remote_control.fileno(), "inbox": w.inbox.fileno(), "outboxes": outboxes}
+            fds = [w.remote_control.fileno(), w.inbox.fileno(), *outboxes.values()]
+            cmd = [sys.executable, "-m", "neuronabox.cluster.relay_pool", "--config", json.dumps(cfg),
+                   "--parent", str(os.getpid()), "--token", self.token]
+            w.proc = subprocess.Popen(cmd, pass_fds=fds)
+        for w in self.workers:
+            w.remote_control.close()
+            w.inbox.close()
+        for w in self.workers:
+            try:
+                w.ask({"op": "ping"}, timeout)
+            except (OSError, ValueError) as exc:
+                code = w.proc.poll()
+                raise RuntimeError(f"delay relay {w.index} (cpu {w.cpu}) did not start"
+                                   + (f": exited with {code}" if code is not None else f": {exc}")) from None
+
+    def set_delays(self, key: str, table: dict[str, Delays]) -> None:
+        """Replace the delays of namespace ``key`` in every relay (each needs all: it runs ways back)."""
+        msg = {"op": "delays", "key": key, "table": {a: astuple(d) for a, d in table.items()}}
+        for w in self.workers:
+            w.tell(msg)
+
+    def stats(self) -> dict:
+        """Connections, bytes and errors summed over the relays, and each relay's own."""
+        each = []
+        for w in self.workers:
+            try:
+                each.append({"cpu": w.cpu, "pid": w.proc.pid, **w.ask({"op": "stats"}, 2.0)})
+            except (OSError, ValueError):
+                each.append({"cpu": w.cpu, "pid": w.proc.pid, "alive": False, "connections": 0, "bytes": 0, "errors": 0})
+        total = {k: sum(e[k] for e in each) for k in ("connections", "bytes", "errors")}
+        return {**total, "relays": each}
+
+    def close(self) -> None:
+        """End every relay and wait for it."""
+        for w in self.workers:
+            w.control.close()  # the relay sees its control end close and exits
+        for w in self.workers:
+            w.outbox.close()
+            if w.proc is not None:
+                try:
+                    w.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
+
+
+# ---- the relay process ----------------------------------------------------------------------
+async def _serve(cfg: dict) -> None:
+    loop = asyncio.get_running_loop()
+    outboxes = {int(k): socket.socket(fileno=fd) for k, fd in cfg["outboxes"].items()}
+
+    def hand_over(index: int, fds: list[int], meta: dict) -> None:
+        socket.send_fds(outboxes[index], [json.dumps(meta).encode()], fds)
+
+    relay = Relay(loop, port=cfg["port"], peers=Peers(cfg["index"], cfg["homes"], hand_over))
+    for ns in cfg["namespaces"]:
+        await relay.listen(ns, Namespace(ns))
+    inbox = socket.socket(fileno=cfg["inbox"])
+    inbox.setblocking(False)
+    control = socket.socket(fileno=cfg["control"])
+    control.setblocking(False)
+    stop = asyncio.Event()
+
+    def on_inbox() -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(inbox, 4096, 2)
+            except BlockingIOError:
+                return
+            meta = json.loads(msg)
+            loop.create_task(relay.adopt(fds, meta["key"], meta["dst"]))
+
+    def on_control() -> None:
+        while True:
+            try:
+                raw = control.recv(1 << 20)
+            except BlockingIOError:
+                return
+            except OSError:
+                raw = b""
+            if not raw:  # the agent is gone
+                stop.set()
+                loop.remove_reader(control.fileno())
+                return
+            msg = json.loads(raw)
+            if msg["op"] == "delays":
+                relay.set_delays(msg["key"], {a: Delays(*v) for a, v in msg["table"].items()})
+            elif msg["op"] == "ping":
+                control.send(b'{"ok": true}')
+            elif msg["op"] == "stats":
+                control.send(json.dumps({"connections": relay.connections, "bytes": relay.bytes,
+                                         "errors": relay.errors + relay.timers.errors}).encode())
+
+    loop.add_reader(inbox.fileno(), on_inbox)
+    loop.add_reader(control.fileno(), on_control)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    relay.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one relay process (started by the agent)."""
+    ap = argparse.ArgumentParser(prog="nbox-relay")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--parent", type=int, default=0)
+    ap.add_argument("--token", default="")  # the agent's: `nbox down` finds this process by it
+    args = ap.parse_args(argv)
+    # Die with the agent, even if it is killed outright: nothing outlives its cluster. (Checked
+    # after arming: an agent that died before could not signal.)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if args.parent and os.getppid() != args.parent:
+        return 1
+    cfg = json.loads(args.config)
+    if cfg["cpu"] is not None:
+        os.sched_setaffinity(0, {cfg["cpu"]})
+    asyncio.run(_serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
