@@ -105,7 +105,8 @@ def test_the_relay_survives_peers_that_reset_while_their_eof_is_delayed():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, iptables)")
-def test_each_nodes_sending_is_copied_by_the_relay_on_its_own_cpu():
+@pytest.mark.parametrize("pin", ["0", "1"])
+def test_each_nodes_sending_is_copied_by_its_own_relay(pin, monkeypatch):
     import json
     import urllib.request
 
@@ -113,7 +114,8 @@ def test_each_nodes_sending_is_copied_by_the_relay_on_its_own_cpu():
 
     from neuronabox.cluster.steering import node_cpu
 
-    name = "rlycpu"
+    monkeypatch.setenv("NBOX_RELAY_PIN", pin)  # the agent, and so its relays, inherit it
+    name = f"rlycpu{pin}"
     res = rt.up(topo("cluster: {nodes: 2}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 2ms}}\n"),
                 runtime="netns", name=name)
     try:
@@ -159,8 +161,9 @@ def test_each_nodes_sending_is_copied_by_the_relay_on_its_own_cpu():
         ca, cb = node_cpu(0), node_cpu(1)
         assert set(by_cpu) == {ca, cb}
         for cpu, x in by_cpu.items():
-            assert psutil.Process(x["pid"]).cpu_affinity() == [cpu]
-        # What each node sent was copied by the relay on its CPU, and only there.
+            want = [cpu] if pin == "1" else sorted(os.sched_getaffinity(0))
+            assert psutil.Process(x["pid"]).cpu_affinity() == want
+        # What each node sent was copied by its own relay, and only there.
         assert by_cpu[ca]["bytes"] == len(up_bytes) and by_cpu[ca]["connections"] == 1
         assert by_cpu[cb]["bytes"] == len(down_bytes) and by_cpu[cb]["connections"] == 0
 

@@ -10,12 +10,9 @@ veths, which the relay's upstream packets cross like any others.
 
 A relay serves many namespaces: it opens a listener inside each (a socket stays in the
 namespace it was made in), so 64 nodes cost one Python process, not 64. On a cluster the agent
-runs one relay per CPU that homes nodes (``relay_pool.py``), pinned there, and splits each
-connection by direction: the bytes a node sends are copied on the node's own CPU, the one its
-rank is pinned to, as a real node's own kernel does its sending. One relay for both directions
-of every connection put all that copying on whichever core the scheduler chose (measured, 1
-Gbit/s, 2 MiB all-reduce beside 30 ms of compute: the ranks lost 4 and 9 ms, and pinning the
-relay to the other core swapped the two figures).
+runs one relay per CPU that homes nodes (``relay_pool.py``) and splits each connection by
+direction (``Peers``): the relay of the node that opened it copies what that node sends, the
+destination node's relay copies the way back, so the two directions move on two cores at once.
 
 Timing: asyncio's epoll wait rounds timeouts up to whole milliseconds, which would add up to
 1 ms to a 1 ms delay. Release times are therefore kept in one heap and a ``timerfd``
@@ -381,10 +378,22 @@ class _Conn:
             self.close()
 
     def close(self) -> None:
-        """Close both sockets (after what is buffered has been written)."""
+        """Close both sockets once what is buffered has been written (and a pending EOF sent)."""
         for s in (self.client, self.server):
-            if s.transport is not None and not s.transport.is_closing():
-                s.transport.close()
+            if s.transport is not None:
+                self._close_flushed(s.transport)
+
+    def _close_flushed(self, t: asyncio.Transport) -> None:
+        # asyncio's close() with bytes still buffered drops a pending write_eof's shutdown and
+        # only closes the descriptor: where the other relay holds a copy of the socket (a split
+        # connection) no FIN ever leaves, and the peer waits for good. So wait for the buffer to
+        # drain (asyncio then shuts down itself), and close after.
+        if t.is_closing():
+            return
+        if t.get_write_buffer_size():
+            self.relay.loop.call_later(0.001, self._close_flushed, t)
+        else:
+            t.close()
 
 
 class Relay:
