@@ -685,8 +685,11 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     its links (at 100 Mbit/s 32 ms per 2 MiB all-reduce against 4.6 ms in each rank's process).
     That is what the compute beside the op loses on this host, so it is what model mode spends.
     ``process_per_byte_s`` (each rank's own process CPU) is kept for the record. Measured at up
-    to three sizes that take 5-200 ms; each window lasts at least 0.6 s (the kernel counts in
-    10 ms ticks).
+    to three sizes that take 5-200 ms; each window lasts at least 1 s (the kernel counts in
+    10 ms ticks), and the idle rate comes from 0.5 s idle windows before each, pooled (it was
+    one 0.3 s window: 3 ticks of noise). The cost itself still varies between calibrations: at
+    100 Mbit/s 5.6, 9.4 and 12.3 ns/B per rank with the shorter windows, 7.5, 9.8 and 9.6 in
+    three with these (the relay's CPU per byte depends on how its reads fall).
     """
     import torch
     import torch.distributed as dist
@@ -695,26 +698,27 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     if not picks:
         return None
     picks = [picks[0], picks[len(picks) // 2], picks[-1]] if len(picks) >= 3 else picks
-    t = time.perf_counter()
-    b = _machine_busy_s()
-    time.sleep(0.3)
-    base_rate = max(0.0, (_machine_busy_s() - b) / (time.perf_counter() - t))
-    base_rate = decide([base_rate])[0]
-    pts, own = [], []
+    idle_busy = idle_wall = 0.0
+    windows, own = [], []
     for r in picks:
+        dist.barrier()
+        t, b = time.perf_counter(), _machine_busy_s()
+        time.sleep(0.5)
+        idle_busy += _machine_busy_s() - b
+        idle_wall += time.perf_counter() - t
         x = torch.ones(max(1, r["size"] // 4))
-        k = max(2, int(0.6 / r["time_s"]))
+        k = max(2, int(1.0 / r["time_s"]))
         dist.barrier()
         t, b, c = time.perf_counter(), _machine_busy_s(), time.process_time()
         for _ in range(k):
             dist.all_reduce(x)
         mine = torch.tensor([(time.process_time() - c) / k], dtype=torch.float64)
         dist.barrier()
-        wall, busy = time.perf_counter() - t, _machine_busy_s() - b
+        windows.append((float(x.numel() * 4), k, time.perf_counter() - t, _machine_busy_s() - b))
         dist.all_reduce(mine)
-        per_rank = max(0.0, busy - base_rate * wall) / k / n
-        pts.append((float(x.numel() * 4), decide([per_rank])[0]))
         own.append((float(x.numel() * 4), mine.item() / n))  # summed over the ranks: the same on each
+    base_rate = decide([max(0.0, idle_busy / idle_wall)])[0]
+    pts = [(size, decide([max(0.0, busy - base_rate * wall) / k / n])[0]) for size, k, wall, busy in windows]
     extra = {"points": pts, "idle_rate": base_rate,
              "process_per_byte_s": sum(y for _, y in own) / max(sum(x for x, _ in own), 1.0), "process_points": own}
     measured = [p for p in pts if p[1] > 0]
