@@ -17,9 +17,11 @@ mix the emulator's communication fidelity with the reference's hardware sharing.
 emulated run every other rank of the real system also runs, as an independent ``nbox run``
 of the same command whose real rank is that rank (its own emulation, model mode), pinned to
 that rank's core and started at the same time; its figures are not reported. The twin
-reproduces the other ranks' compute load, not the CPU that the real system spends on moving
-bytes (gloo's threads, the kernel's TCP, the delay relay): that part stays in the error. On
-separate machines (the paper's setting) there is nothing to reproduce: ``twin=False``.
+reproduces the other ranks' compute load; in model mode its footprint (a calibrated profile's
+CPU cost) also spends what those ranks' moving of bytes costs. Beside a wire-mode run the
+bytes really move, the stubs and the relay spend that CPU themselves, so the twin runs without
+its footprint (``NBOX_FOOTPRINT=0``). On separate machines (the paper's setting) there is
+nothing to reproduce: ``twin=False``.
 
 This machine is noisy (see DESIGN.md, "This machine"): runs are interleaved (each repeat
 runs every mode once, in a rotated order, so drift hits all modes alike) and repeated, and
@@ -314,7 +316,11 @@ def _run_emulated(
             if tlog:
                 outs.append(tout)
             argv = _emulated_argv(topo_file, command, None, model, profile, rank=rank)
-            twin_procs.append((rank, subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=tout,
+            # In wire mode the bytes really move: the stub and the delay relay spend what the
+            # other rank's gloo and sending cost, so the twin must not spend it a second time
+            # through its footprint.
+            tenv = {**env, "NBOX_FOOTPRINT": "0"} if mode == "wire" else env
+            twin_procs.append((rank, subprocess.Popen(argv, env=tenv, stdin=subprocess.DEVNULL, stdout=tout,
                                                       stderr=subprocess.STDOUT, preexec_fn=_preexec(None, twin_core))))
         out = open(log, "wb") if log else subprocess.DEVNULL
         if log:
