@@ -10,6 +10,7 @@ run through it (a wire-mode run) waited forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import struct
@@ -29,6 +30,21 @@ from .conftest import private_cluster_state, topo
 @pytest.fixture(scope="module", autouse=True)
 def state_dir(tmp_path_factory):
     yield from private_cluster_state(tmp_path_factory, "nbox-relay-state")
+
+
+@contextlib.contextmanager
+def _pair(name: str, latency: str, backlog: int):
+    """Two nodes on a 1 Gbit/s switch, a listening socket in the second; the cluster goes down after."""
+    res = rt.up(topo(f"cluster: {{nodes: 2}}\nnetwork: {{type: switch, link: {{bandwidth: 1Gbps, latency: {latency}}}}}\n"),
+                runtime="netns", name=name)
+    try:
+        a, b = res.nodes
+        srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.bind((b["address"], 0))
+        srv.listen(backlog)
+        yield res, a, b, srv
+    finally:
+        rt.down(name)
 
 
 def test_a_failing_release_does_not_stop_the_timer():
@@ -57,15 +73,7 @@ def test_a_failing_release_does_not_stop_the_timer():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, iptables)")
 def test_the_relay_survives_peers_that_reset_while_their_eof_is_delayed():
-    name = "rlyrst"
-    res = rt.up(topo("cluster: {nodes: 2}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 500us}}\n"),
-                runtime="netns", name=name)
-    try:
-        a, b = res.nodes
-        srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.bind((b["address"], 0))
-        srv.listen(512)
-
+    with _pair("rlyrst", "500us", backlog=512) as (res, a, b, srv):
         def serve() -> None:
             while True:
                 try:
@@ -100,8 +108,6 @@ def test_the_relay_survives_peers_that_reset_while_their_eof_is_delayed():
         srv.close()
         # Still delaying (the server's first byte comes back 1 ms late), not frozen.
         assert 0.0009 <= took < 1.0
-    finally:
-        rt.down(name)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, iptables)")
@@ -116,13 +122,7 @@ def test_each_nodes_sending_is_copied_by_its_own_relay(pin, monkeypatch):
 
     monkeypatch.setenv("NBOX_RELAY_PIN", pin)  # the agent, and so its relays, inherit it
     name = f"rlycpu{pin}"
-    res = rt.up(topo("cluster: {nodes: 2}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 2ms}}\n"),
-                runtime="netns", name=name)
-    try:
-        a, b = res.nodes
-        srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.bind((b["address"], 0))
-        srv.listen(8)
+    with _pair(name, "2ms", backlog=8) as (res, a, b, srv):
         up_bytes, down_bytes = os.urandom(1 << 20), os.urandom(3 << 20)
         got_up: list[bytes] = []
 
@@ -173,5 +173,3 @@ def test_each_nodes_sending_is_copied_by_its_own_relay(pin, monkeypatch):
         agent.kill()
         gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids], timeout=5)
         assert not alive
-    finally:
-        rt.down(name)

@@ -37,7 +37,8 @@ NOTES = textwrap.dedent(
         opt.step()
         time.sleep(0.05)  # long enough for the intervals of concurrent processes to overlap clearly
     note = {"rank": dist.get_rank(), "emulated": "NBOX_REAL_RANK" in os.environ,
-            "cores": sorted(os.sched_getaffinity(0)), "start": t0, "end": time.time()}
+            "cores": sorted(os.sched_getaffinity(0)), "start": t0, "end": time.time(),
+            "wire": "NBOX_WIRE" in os.environ, "footprint": os.environ.get("NBOX_FOOTPRINT")}
     with open(os.path.join(sys.argv[1], f"{os.getpid()}.json"), "w") as f:
         json.dump(note, f)
     dist.destroy_process_group()
@@ -65,7 +66,8 @@ def test_each_emulated_run_has_its_twin_running_beside_it_pinned_to_the_other_co
     notes_dir = tmp_path / "notes"
     notes_dir.mkdir()
     out = tmp_path / "v.json"
-    r = run_nbox("validate", str(topo), "--modes", "model", "--warmup", "2", "--repeats", "2", "--tolerance", "1000%",
+    modes = "model,wire" if twin else "model"
+    r = run_nbox("validate", str(topo), "--modes", modes, "--warmup", "2", "--repeats", "2", "--tolerance", "1000%",
                  "--json", str(out), *([] if twin else ["--no-twin"]), "--", sys.executable, str(script), str(notes_dir))
     assert r.returncode == 0, r.stdout + r.stderr
     v = json.loads(out.read_text())
@@ -74,15 +76,18 @@ def test_each_emulated_run_has_its_twin_running_beside_it_pinned_to_the_other_co
     measured = [n for n in notes if n["emulated"] and n["rank"] == 0]
     twins = [n for n in notes if n["emulated"] and n["rank"] == 1]
     cores = rank_cores(2)
-    assert len(real) == 4 and len(measured) == 2  # 2 repeats of the real system (2 ranks) and of model mode
+    assert len(real) == 4 and len(measured) == (4 if twin else 2)  # 2 repeats of the real system (2 ranks) and of each mode
     assert all(n["cores"] == [cores[0]] for n in measured)
     if not twin:
         assert twins == [] and v["twin_ranks"] == [] and "load twin: rank" not in r.stdout
         return
     assert v["twin_ranks"] == [1] and "load twin: rank(s) 1 run beside each emulated run" in r.stdout
-    assert len(twins) == 2 and all(n["cores"] == [cores[1]] for n in twins)
+    assert len(twins) == 4 and all(n["cores"] == [cores[1]] for n in twins)
     # Each twin ran while its measured rank ran (started together, most of their time shared).
     for m in measured:
         t = min(twins, key=lambda n: abs(n["start"] - m["start"]))
         shared = min(m["end"], t["end"]) - max(m["start"], t["start"])
         assert shared > 0.6 * (m["end"] - m["start"]), (m, t)
+        # Beside a wire-mode run the bytes really move: the twin spends no footprint of its own.
+        assert t["footprint"] == ("0" if m["wire"] else None), (m, t)
+    assert sorted(m["wire"] for m in measured) == [False, False, True, True]
