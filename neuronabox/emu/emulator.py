@@ -63,7 +63,8 @@ class Emulator:
         self.recorder = Recorder()
         if straggler is None:
             factors = compute_factors(topology, real_rank)
-            straggler = ComputeSkew(factors, self.recorder) if factors else None
+            noise = topology.emulation.peer_noise
+            straggler = ComputeSkew(factors, self.recorder, noise, seed=real_rank) if factors or noise else None
         self.straggler = straggler
         self.waker = Waker()
         self.timelines: list[Timeline] = []

@@ -6,9 +6,20 @@ of the iteration the real rank has computed for ``c`` seconds (wall time minus w
 on collectives), so the slowest rank of the group arrives ``(f - 1) * c`` after the real rank,
 and the collective cannot start before it does. With DDP's buckets this makes late buckets
 later than early ones, as a slow backward pass would.
+
+Peer noise (``emulation.peer_noise``): emulated ranks are clones of the real rank, and a
+clone's compute varies from iteration to iteration as the real rank's does. A synchronous job
+waits for the slowest of its ranks, so n ranks that each vary wait longer than one alone:
+E[max of n] exceeds the mean by about sigma/sqrt(pi) for two ranks and more for many. With
+it on, each iteration the group's slowest peer arrives late by the excess of the slowest of
+its n-1 draws over a draw for the real rank (whose own variation is already real), the draws
+taken from the real rank's compute times of the last iterations.
 """
 
 from __future__ import annotations
+
+import random
+from collections import deque
 
 from ..collectives import Op
 from ..model.base import Group
@@ -34,10 +45,21 @@ def compute_factors(topology: Topology, real_rank: int) -> dict[int, float]:
 class ComputeSkew:
     """The straggler hook of the timelines: how late the slowest rank of a group arrives."""
 
-    def __init__(self, factors: dict[int, float], recorder: Recorder):
+    HISTORY = 64  # iterations of the real rank's compute the peers' draws come from
+    MIN_HISTORY = 5  # before that many, the peers arrive with the real rank
+    # Warm-up iterations are slow on every rank at once (imports, DDP's bucket rebuild), not
+    # noise: the first one ran 0.53 s against 10-30 ms after, and drawn from, it made peers 0.5 s late.
+    SKIP = 2
+
+    def __init__(self, factors: dict[int, float], recorder: Recorder, noise: bool = False, seed: int = 0):
         self.factors = factors
         self.recorder = recorder
+        self.noise = noise
         self._group_factor: dict[Group, float] = {}
+        self._computes: deque[float] = deque(maxlen=self.HISTORY)
+        self._folded = 0
+        self._draws: dict[int, tuple[int, float]] = {}  # peers -> (iteration, excess ratio)
+        self._rng = random.Random(seed)
 
     def _factor(self, group: Group) -> float:
         f = self._group_factor.get(group)
@@ -46,15 +68,44 @@ class ComputeSkew:
             self._group_factor[group] = f
         return f
 
+    def _waited(self, index: int) -> float:
+        return sum(r.wait for r in reversed(self.recorder.ops[-256:]) if r.iteration == index)
+
+    def _excess(self, peers: int) -> float:
+        """How much later than the real rank (a share of its compute) the slowest of ``peers`` clones arrives this iteration."""
+        rec = self.recorder
+        marks = rec.iteration_marks
+        while self._folded < len(marks):
+            i = self._folded
+            if i >= self.SKIP:
+                self._computes.append(max(0.0, marks[i] - marks[i - 1] - self._waited(i)))
+            self._folded += 1
+        index = len(marks)
+        drawn = self._draws.get(peers)
+        if drawn is not None and drawn[0] == index:
+            return drawn[1]  # one draw per iteration: every op of it sees the same peers
+        xs = sorted(self._computes)
+        excess = 0.0
+        if len(xs) >= self.MIN_HISTORY and xs[len(xs) // 2] > 0:
+            med = xs[len(xs) // 2]
+
+            def quantile(u: float) -> float:
+                return xs[min(len(xs) - 1, int(u * len(xs)))] / med
+
+            # The largest of n uniform draws is u ** (1/n): one draw for all the peers.
+            slowest = quantile(self._rng.random() ** (1.0 / peers))
+            excess = max(0.0, slowest - quantile(self._rng.random()))
+        self._draws[peers] = (index, excess)
+        return excess
+
     def __call__(self, op: Op, nbytes: int, group: Group) -> float:
         """Seconds after the real rank's call at which the group's slowest rank arrives."""
         f = self._factor(group)
-        if f <= 1.0:
+        noise = self._excess(group.size - 1) if self.noise and group.size > 1 else 0.0
+        if f <= 1.0 and noise <= 0.0:
             return 0.0
         rec = self.recorder
         marks = rec.iteration_marks
         since = marks[-1] if marks else rec.t0
-        index = len(marks)
-        waited = sum(r.wait for r in reversed(rec.ops[-256:]) if r.iteration == index)
-        compute = max(0.0, clock() - since - waited)
-        return (f - 1.0) * compute
+        compute = max(0.0, clock() - since - self._waited(len(marks)))
+        return (f * (1.0 + noise) - 1.0) * compute

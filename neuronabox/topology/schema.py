@@ -202,6 +202,12 @@ class Emulation(_Strict):
         description="worker threads per gloo process group (torch's ProcessGroupGloo Options.threads): with library "
         "gloo, model mode runs this many ops of a group at once; 1 makes it FIFO like NCCL's one stream",
     )
+    peer_noise: bool = Field(
+        False,
+        description="emulated ranks' compute varies as the real rank's does: each iteration a group's slowest peer "
+        "arrives as late as the slowest of its draws from the real rank's recent compute times (a synchronous job "
+        "waits for it); off, every peer arrives with the real rank",
+    )
     profile: str | None = Field(
         None,
         description="calibration profile (written by nbox calibrate) that model calibrated reads; a path, relative "
