@@ -53,7 +53,7 @@ TOPOLOGY = """name: fid-{key}
 description: 2 CPU nodes, one rank each, one {bw} link with {lat} one-way latency (the paper's 2-node setting)
 cluster: {{nodes: 2, ranks_per_node: 1, device: cpu}}
 network: {{type: ring, link: {{bandwidth: {bw}, latency: {lat}}}}}
-emulation: {{library: gloo, real_ranks: [0], model: calibrated}}
+emulation: {{library: gloo, real_ranks: [0], model: calibrated, peer_noise: {noise}}}
 """
 
 
@@ -70,6 +70,9 @@ def main() -> int:
                    help="seconds of samples per size (nbox calibrate --budget): DDP's bucket sizes are noisy at 100 Mbit/s "
                         "(0.6 s, 3 samples of a 2 MiB all-reduce: the fitted bandwidth moved 4%% between calibrations; "
                         "2 s, 10 samples: 2%%, and the 2 MiB point itself 192-204 ms; 4 s: 20 samples)")
+    p.add_argument("--no-peer-noise", dest="peer_noise", action="store_false",
+                   help="emulated rank 1 arrives with rank 0 (topology emulation.peer_noise: false); by default it varies "
+                        "as rank 0 does, as the real rank 1 does, and DDP waits for the later of the two")
     p.add_argument("--no-twin", dest="twin", action="store_false",
                    help="no load twin (for a real system on separate machines; here it measures the sharing, not the emulator)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 10 steps, 3 warm-up, small calibration")
@@ -81,6 +84,7 @@ def main() -> int:
     if args.render:
         doc = json.loads(args.render.read_text())
         args.twin = False  # a JSON from before the load twin existed says nothing about it
+        args.peer_noise = False  # nor one from before peer noise
         for k, v in doc.get("args", {}).items():
             setattr(args, k, v)
         write(args, doc["rows"], doc.get("modes", ["model", "wire"]), doc["command"], doc["seconds"], doc.get("machine"))
@@ -116,7 +120,7 @@ def main() -> int:
         for key in nets:
             bw, lat = NETWORKS[key]
             topo_file = tmpd / f"{key}.yaml"
-            topo_file.write_text(TOPOLOGY.format(key=key.lower(), bw=bw, lat=lat))
+            topo_file.write_text(TOPOLOGY.format(key=key.lower(), bw=bw, lat=lat, noise=str(args.peer_noise).lower()))
             topo = load_topology(topo_file)
             name = f"fid{nets.index(key)}{os.getpid() % 10000}"
             up = rt.up(topo, runtime="netns", name=name)
@@ -232,6 +236,7 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         head += f" {mode} median (ms) | {mode} error |"
         sep += "---:|---:|"
     twin = getattr(args, "twin", True)
+    noise = getattr(args, "peer_noise", False)
     lines = [
         "# Fidelity: 2-rank DDP, real system vs NeuronaBox",
         "",
@@ -250,6 +255,8 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         + ("Load twin on: during each emulated run, rank 1 also runs as its own `nbox run` (model mode) pinned to its core, "
            "so rank 0 computes on a machine as busy as in the real system. " if twin else
            "No load twin (`--no-twin`): the emulated rank 0 has the machine to itself. ")
+        + ("Peer noise on (`emulation.peer_noise`): each iteration the emulated rank 1 arrives at the collectives as late "
+           "as a draw from rank 0's own recent compute times says, and DDP waits for it. " if noise else "")
         + "Error = (emulated - real) / real median; real spread = (max - min) / median of the real runs' medians; "
         "≈ marks an error within the real spread; [a, b] is the error's 95% bootstrap interval over whole runs "
         "(each system's run medians resampled, 2000 draws): where it is wider than ±1%, these runs cannot tell "
@@ -294,7 +301,7 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         lines += ["", "**Smoke run (`--quick`): these figures show the script works, they are not a fidelity "
                       "measurement. Run the full command on a quiet machine for the record.**"]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    keep = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "quick", "calibrate_sizes", "calibrate_budget", "twin")
+    keep = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "quick", "calibrate_sizes", "calibrate_budget", "twin", "peer_noise")
             if hasattr(args, k)}
     doc = {"command": command, "seconds": seconds, "machine": machine, "modes": modes, "args": keep, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
