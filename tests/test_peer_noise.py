@@ -6,6 +6,7 @@ import json
 import statistics
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +25,9 @@ def _excess_over(computes: list[float], peers: int, iterations: int = 4000) -> l
     for i in range(iterations):
         out.append(skew._excess(peers))
         t += computes[i % len(computes)]
+        # The iteration's one collective, called at the end of its compute.
+        rec.ops.append(SimpleNamespace(iteration=i, enqueue=t, wait=0.0))
+        t += 0.05  # waiting for it, and the optimizer: not compute the peers' draws stand for
         rec.iteration_marks.append(t)
     return out
 
@@ -45,7 +49,8 @@ def test_one_draw_per_iteration_serves_every_op_of_it():
     rec = Recorder()
     rec.t0 = 0.0
     skew = ComputeSkew({}, rec, noise=True)
-    for t in (0.1, 0.3, 0.4, 0.6, 0.7, 0.9, 1.0):
+    for i, t in enumerate((0.1, 0.3, 0.4, 0.6, 0.7, 0.9, 1.0, 1.2)):
+        rec.ops.append(SimpleNamespace(iteration=i, enqueue=t - 0.01 * (i % 3), wait=0.0))
         rec.iteration_marks.append(t)
     first = skew._excess(3)
     assert all(skew._excess(3) == first for _ in range(10))
