@@ -111,6 +111,7 @@ class Agent:
         self.nl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbox-netlink")
         self.relays: RelayPool | None = None
         self.delays = DelayTable()  # the delay line's copy of the table the relays hold
+        self.timers: TimerQueue | None = None  # the delay line's
         self.delayline: DelayLine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 

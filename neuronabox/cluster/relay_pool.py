@@ -118,10 +118,11 @@ class RelayPool:
         """Connections, bytes and errors summed over the relays, and each relay's own."""
         each = []
         for w in self.workers:
+            mine = {"cpu": w.cpu, "pinned": self.pin, "pid": w.proc.pid}
             try:
-                each.append({"cpu": w.cpu, "pinned": self.pin, "pid": w.proc.pid, **w.ask({"op": "stats"}, 2.0)})
+                each.append({**mine, **w.ask({"op": "stats"}, 2.0)})
             except (OSError, ValueError):
-                each.append({"cpu": w.cpu, "pid": w.proc.pid, "alive": False, "connections": 0, "bytes": 0, "errors": 0})
+                each.append({**mine, "alive": False, "connections": 0, "bytes": 0, "errors": 0})
         total = {k: sum(e[k] for e in each) for k in ("connections", "bytes", "errors")}
         return {**total, "relays": each}
 

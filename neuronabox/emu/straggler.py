@@ -69,8 +69,11 @@ class ComputeSkew:
             self._group_factor[group] = f
         return f
 
+    def _ops_of(self, index: int) -> list:
+        return [r for r in self.recorder.ops[-256:] if r.iteration == index]
+
     def _waited(self, index: int) -> float:
-        return sum(r.wait for r in reversed(self.recorder.ops[-256:]) if r.iteration == index)
+        return sum(r.wait for r in self._ops_of(index))
 
     def _arrival(self, index: int, start: float) -> float | None:
         """Compute from the start of iteration ``index`` to its last collective call (None: it made none).
@@ -80,7 +83,7 @@ class ComputeSkew:
         no wait is recorded: counted to the iteration's end, that waiting (and with it the peers'
         own lateness) became compute, and each draw fed the next (the 10 Gbit/s MLP: +30 %).
         """
-        ops = [r for r in self.recorder.ops[-256:] if r.iteration == index]
+        ops = self._ops_of(index)
         if not ops:
             return None
         last = max(ops, key=lambda r: r.enqueue)
