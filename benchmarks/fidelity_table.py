@@ -160,7 +160,10 @@ def main() -> int:
                                            "concurrency": {k: v for k, v in (profile.get("concurrency") or {}).items()
                                                            if k in ("size", "single_s", "pair_s", "sec_per_byte")} or None,
                                            "cpu_cost": {k: v for k, v in cost.items()
-                                                        if k in ("per_op_s", "per_byte_s", "process_per_byte_s")}}}
+                                                        if k in ("per_op_s", "per_byte_s", "process_per_byte_s")},
+                                           "spin_stall": [{k: c[k] for k in ("size", "gap_s", "spun", "median_excess_s",
+                                                                             "median_spin_stall_s")}
+                                                          for c in (profile.get("spin_stall") or {}).get("cells", [])]}}
                     for m in v.modes:
                         row.setdefault("modes", {})[m.mode] = {"available": m.available, "why": m.why, "failed": m.failed, "median_s": m.median_s,
                                        "p95_s": m.p95_s, "error": m.error, "run_medians_s": m.run_medians_s,
@@ -187,6 +190,10 @@ def _machine(load_before, load_after) -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after]}
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
 
 
 def _ms(v) -> str:
@@ -293,6 +300,13 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         if lost:
             parts.append(f"compute lost beside an op {', '.join(f'{x * 1e3:.1f}' for x in lost)} ms by rank: "
                          f"x {c.get('interference') or 1.0:.2f}")
+        stall = c.get("spin_stall") or []
+        if stall:
+            gaps = "/".join(f"{g * 1e3:g}" for g in sorted({x["gap_s"] for x in stall}))
+            parts.append(f"after compute ({gaps} ms), an all-reduce's median extra time over the sweep: " + "; ".join(
+                f"{_size(size)} " + "/".join(f"{x['median_excess_s'] * 1e3:.1f}" for x in stall if x["size"] == size) + " ms"
+                for size in sorted({x["size"] for x in stall})) + " (gloo spun on a rank's core in "
+                + f"{min(x['spun'] for x in stall):.0%}-{max(x['spun'] for x in stall):.0%} of them)")
         if pair:
             parts.append(f"two at once: {pair['size'] >> 10} KiB all-reduce {pair['single_s'] * 1e3:.1f} ms alone, "
                          f"{pair['pair_s'] * 1e3:.1f} ms for two")

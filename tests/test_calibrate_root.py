@@ -70,6 +70,13 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     assert pair["ranks"] == 2 and len(pair["pair_samples"]) == 7 and "two at once:" in r.stdout
     assert pair["pair_s"] <= 2.2 * pair["single_s"]
     assert 1 / pair["sec_per_byte"] <= 1.05 * rate * 1448 / 1514
+    # ops issued after compute: per size and gap, samples of (wall excess, CPU excess per rank)
+    stall = doc["spin_stall"]
+    assert stall["ranks"] == 2 and {c["gap_s"] for c in stall["cells"]} == {0.002, 0.006, 0.02}
+    assert len({c["size"] for c in stall["cells"]}) == 3 and "ops issued after compute" in r.stdout
+    for c in stall["cells"]:
+        assert len(c["samples"]) >= 5 and all(len(s) == 3 and min(s) >= 0.0 for s in c["samples"])
+        assert 0.0 <= c["spun"] <= 1.0
     assert "wrote" in r.stdout and "all_reduce" in r.stdout
     # --write-topology: the file now names its profile (relative), and so uses model calibrated
     assert "set emulation.profile: profile.json" in r.stdout

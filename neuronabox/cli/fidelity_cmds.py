@@ -183,6 +183,15 @@ def calibrate(
     if pair:
         console.print(f"two at once: two all-reduces of {format_size(pair['size'])} take {pair['pair_s'] * 1e3:.2f} ms together, "
                       f"one {pair['single_s'] * 1e3:.2f} ms alone (gloo runs two ops of a group at once)")
+    stall = doc.get("spin_stall")
+    if stall and stall.get("cells"):
+        t = Table(title="ops issued after compute (model mode draws these per op)")
+        for col in ("size", "compute before", "median extra", "a rank spun", "median spin"):
+            t.add_column(col, justify="right")
+        for c in stall["cells"]:
+            t.add_row(format_size(c["size"]), format_duration(c["gap_s"]), format_duration(c["median_excess_s"]),
+                      f"{c['spun']:.0%} of {len(c['samples'])}", format_duration(c["median_spin_stall_s"]))
+        console.print(t)
     for name, why in doc["unsupported"].items():
         console.print(f"[yellow]{name}: not measured ({why})[/yellow]")
     console.print(f"wrote {out}")

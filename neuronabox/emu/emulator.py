@@ -19,6 +19,7 @@ from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
 from .footprint import Footprint, cpu_cost_from_profile, interference
 from .host_coupling import HostCoupling, busy_rate_from_profile
+from .spin_stall import SpinStall
 from .straggler import ComputeSkew, compute_factors
 from .timeline import Recorder, StragglerHook, Timeline, Waker
 
@@ -106,6 +107,10 @@ class Emulator:
         cost = cpu_cost_from_profile(profile) if modeled_cpu and os.environ.get("NBOX_FOOTPRINT", "1") != "0" else None
         self.footprint: Footprint | None = (Footprint(*cost, scale=interference(profile) or 1.0)
                                             if cost is not None else None)
+        # Gloo's spin stalls (spin_stall.py): drawn per op from the profile. Also in wire mode,
+        # whose client moves the bytes but is not gloo: the wire thread waits and spins them.
+        gloo_timed = self.hybrid is None and topology.emulation.library == "gloo"
+        self.stall: SpinStall | None = SpinStall.from_profile(profile, seed=real_rank) if gloo_timed else None
         rate = busy_rate_from_profile(profile)
         self.busy_rate: float | None = rate if (rate is not None and rate < 1.0 and modeled_cpu) else None
 
@@ -118,6 +123,7 @@ class Emulator:
             if self.busy_rate is not None:
                 tl.coupling = HostCoupling(self.busy_rate, self._compute_cpu)
             tl.footprint = self.footprint
+            tl.stall = self.stall.for_communicator() if self.stall is not None else None
             if self._modeled_cpu:
                 tl.slots = self.topology.emulation.gloo_threads
             self.timelines.append(tl)

@@ -30,6 +30,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 from ..collectives import Op
+from .spin_stall import SpinStall
 
 if TYPE_CHECKING:
     from .timeline import OpRecord
@@ -61,8 +62,14 @@ def interference(profile: dict | None) -> float | None:
     spent = float(bp.get("rate", 1.0)) * (float(c.get("per_op_s") or 0.0) + float(c["per_byte_s"]) * float(bp["size"]))
     if spent <= 0:
         return None
+    lost = max(bp["lost_compute_s"])
+    # Gloo's spin stalls took part of that compute; the model spends them separately (spin_stall).
+    stall = SpinStall.from_profile(profile)
+    if stall is not None:
+        # Its op was issued with the ranks' compute, after a barrier: as after the shortest gap.
+        lost = max(0.0, lost - stall.mean(int(bp["size"]), 0.0)[1])
     lo, hi = INTERFERENCE_RANGE
-    return min(hi, max(lo, max(bp["lost_compute_s"]) / spent))
+    return min(hi, max(lo, lost / spent))
 
 
 def cpu_cost_from_profile(profile: dict | None) -> tuple[float, float] | None:
@@ -85,7 +92,8 @@ class _Charge:
         # The bytes move from when the op has the link until its modeled end; its CPU goes with them.
         end = rec.end
         if end is not None and rec.start is not None:
-            self.begin = max(rec.start, end - rec.duration)
+            # A spin stall (spin_stall.py) comes before the bytes move, and its CPU with it.
+            self.begin = max(rec.start, end - rec.duration) - rec.stall
             self.span = max(0.0, end - self.begin)
         else:
             self.begin, self.span = 0.0, 0.0
@@ -143,9 +151,15 @@ class Footprint:
         f_ar = self._ring_terms(Op.ALL_REDUCE, n)[1] or 1.0
         return self.per_op_s + self.per_byte_s * nbytes * f / f_ar
 
-    def charge(self, rec: "OpRecord", seconds: float) -> None:
-        """Spend ``seconds`` of CPU (times ``scale``) for ``rec`` after the ops charged before it."""
-        c = _Charge(rec, seconds * min(1.0, self.scale), seconds * self.scale)
+    def charge(self, rec: "OpRecord", seconds: float, exact: float = 0.0) -> None:
+        """Spend ``seconds`` of CPU (times ``scale``) for ``rec`` after the ops charged before it, and ``exact`` more beside it.
+
+        ``exact`` is a measured spin (spin_stall.py), unscaled. Like the surplus of a scale above
+        1 it never holds the op up: gloo's spinning thread took the core from the compute while
+        the op waited, where this thread only shares the core with it, so holding the op until
+        the spin is spent made it twice as long.
+        """
+        c = _Charge(rec, seconds * min(1.0, self.scale), seconds * self.scale + exact)
         with self._cond:
             if self._stopped:
                 c.done = self._clock()

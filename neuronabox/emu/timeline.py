@@ -26,6 +26,7 @@ from ..model.base import CommModel, Group
 from ..stats import percentile
 from .footprint import Footprint
 from .host_coupling import HostCoupling
+from .spin_stall import BACK_TO_BACK_S, SpinStall
 
 __all__ = [
     "clock",
@@ -57,7 +58,7 @@ class OpRecord:
     __slots__ = (
         "seq", "comm", "op", "group", "nbytes", "root", "algorithm", "iteration",
         "enqueue", "ready", "start", "end", "duration", "extra",
-        "wait", "completed", "device", "device_slot", "coupled", "footprint",
+        "wait", "completed", "device", "device_slot", "coupled", "footprint", "stall", "spin",
     )
 
     def __init__(self, seq, comm, op, group, nbytes, root, algorithm, iteration, enqueue, duration, extra):
@@ -81,6 +82,8 @@ class OpRecord:
         self.device_slot: object = None  # where cuda_wait stored the device timestamps
         self.coupled: Timeline | None = None  # set when the end moves with host compute (host_coupling)
         self.footprint: Footprint | None = None  # set when the op also spends CPU for real (footprint)
+        self.stall: float = 0.0  # gloo's spin stall drawn for it: the bytes move this much later (spin_stall)
+        self.spin: float = 0.0  # of which this rank's core spun (CPU seconds)
 
     @property
     def lateness(self) -> float | None:
@@ -109,6 +112,7 @@ class OpRecord:
             "end": rel(self.end),
             "duration": self.duration,
             "extra": self.extra,
+            "stall": self.stall,
             "wait": self.wait,
             "lateness": self.lateness,
             "device": self.device,
@@ -193,7 +197,7 @@ class Recorder:
             s = per_op.setdefault(r.op.value, {"count": 0, "bytes": 0, "modeled_s": 0.0, "waited_s": 0.0})
             s["count"] += 1
             s["bytes"] += r.nbytes
-            s["modeled_s"] += r.duration + r.extra
+            s["modeled_s"] += r.duration + r.extra + r.stall
             s["waited_s"] += r.wait
         return {
             "ops": per_op,
@@ -326,6 +330,7 @@ class Timeline:
         # ``end = max(start + t, previous end + t - overlap)``.
         self.slots = 1
         self.footprint: Footprint | None = None  # CPU libraries with a calibrated CPU cost
+        self.stall: SpinStall | None = None  # gloo's spin stalls, when the profile measured them
         # The last few host-timed ops: by FIFO order, the one in flight at any recent time is among them.
         self.recent: deque[OpRecord] = deque(maxlen=4)
 
@@ -410,6 +415,12 @@ class Timeline:
                 hit = self.contention(self, op, nbytes, root, r.start)
                 if hit is not None:
                     r.duration, r.algorithm = hit
+            # An op issued while the previous one runs shares its stall: one I/O thread spins for both.
+            if self.stall is not None and r.ready - prev_end >= BACK_TO_BACK_S:
+                r.stall, r.spin = self.stall.draw(nbytes, r.ready - prev_end)
+                # The bytes move once the spin ends: a wall-clock wait, which the host's compute
+                # does not stretch as it stretches the transfer (host coupling).
+                r.start += r.stall
             overlap = 0.0
             if prev_end > r.start:  # only with slots > 1: the previous op is still running
                 overlap = self._overlap(r, self.recent[-1] if self.recent else None, prev_end)
@@ -422,7 +433,7 @@ class Timeline:
             self.recent.append(r)
         if self.footprint is not None:
             r.footprint = self.footprint
-            self.footprint.charge(r, self.footprint.cost(op, nbytes, self.group.size))
+            self.footprint.charge(r, self.footprint.cost(op, nbytes, self.group.size), exact=r.spin)
         self.recorder.add(r)
         return r
 

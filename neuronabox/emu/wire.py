@@ -615,6 +615,7 @@ class WireClient:
 
     # ---- the wire thread ------------------------------------------------------------------
     def _loop(self) -> None:
+        from .spin_stall import wait_spinning
         from .timeline import clock
 
         import torch
@@ -627,6 +628,9 @@ class WireClient:
             self.seq += 1
             job.seq = self.seq
             rec = job.rec
+            if rec.stall > 0:
+                # Gloo's spin stall (spin_stall.py): the real rank's gloo would wait, spinning.
+                wait_spinning(rec.stall, rec.spin)
             start = clock()
             modeled = rec.duration + rec.extra
             self._deadline = time.monotonic() + (modeled if 0 <= modeled < 1e9 else 0.0) + self.stall

@@ -511,6 +511,10 @@ class WorkerPlan:
     busy_repeats: int = 21  # samples of the busy-progress measurement (0: skip it)
     busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
     pair_repeats: int = 7  # samples of two all-reduces at once (0: skip it)
+    stall_repeats: int = 32  # samples per (size, gap) of the op-after-compute measurement (0: skip it)
+    stall_groups: int = 4  # spread over this many fresh process groups
+    stall_gaps_s: tuple[float, ...] = (0.002, 0.006, 0.02)  # the compute before each of its ops
+    stall_budget_s: float = 60.0
 
 
 def load_for_calibration(path: Path):
@@ -549,8 +553,9 @@ def run_calibration(
                          f"the topology has {topology.world_size}")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
+        # The stall measurement takes the sweep's care: 100 of its per-size budgets, 5-60 s.
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
-                          out=str(Path(tmp) / "measured.json"))
+                          out=str(Path(tmp) / "measured.json"), stall_budget_s=min(60.0, max(5.0, 100 * budget_s)))
         plan_file = Path(tmp) / "plan.json"
         plan_file.write_text(json.dumps(asdict(plan)))
         with cluster_for(topology, cluster, say) as up:
@@ -578,7 +583,7 @@ def run_calibration(
     meta = {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
             "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
     profile = make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta)
-    for key in ("busy_progress", "cpu_cost", "concurrency"):
+    for key in ("busy_progress", "cpu_cost", "concurrency", "spin_stall"):
         if measured.get(key):
             profile[key] = measured[key]
     return profile
@@ -647,7 +652,14 @@ def _worker(plan_path: str) -> None:
                 break
         if rows:
             results[op.value] = rows
-    busy = cpu = pair = None
+    busy = cpu = pair = stall = None
+    if plan.stall_repeats > 0 and results.get(Op.ALL_REDUCE.value):
+        stall = _spin_stall(plan, results[Op.ALL_REDUCE.value], decide)
+        if rank == 0:
+            for c in stall["cells"]:
+                print(f"{c['gap_s'] * 1e3:.0f} ms after compute: a {c['size']} B all-reduce took "
+                      f"{c['median_excess_s'] * 1e3:.2f} ms more than in the sweep (median); a rank spun in "
+                      f"{c['spun']:.0%} of {len(c['samples'])} (median {c['median_spin_stall_s'] * 1e3:.2f} ms)", flush=True)
     if plan.busy_repeats > 0 and results.get(Op.ALL_REDUCE.value):
         busy = _busy_progress(plan, results[Op.ALL_REDUCE.value], decide)
         cpu = _cpu_cost(results[Op.ALL_REDUCE.value], n, decide)
@@ -664,7 +676,8 @@ def _worker(plan_path: str) -> None:
                   f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
     if rank == 0:
         Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated,
-                                              "busy_progress": busy, "cpu_cost": cpu, "concurrency": pair}))
+                                              "busy_progress": busy, "cpu_cost": cpu, "concurrency": pair,
+                                              "spin_stall": stall}))
     dist.destroy_process_group()
 
 
@@ -791,6 +804,90 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     dist.all_reduce(lost)
     return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": w,
             "idle_samples": idle, "busy_samples": busy, "rates": rates, "lost_compute_s": lost.tolist()}
+
+
+STALL_MIN_S = 0.3e-3  # a rank's CPU in an op beyond its fast runs: below this, noise, not a spin
+
+
+def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
+    """The op's wall time beyond the sweep's and each rank's CPU beyond its fast runs, for ops issued after compute.
+
+    Gloo's I/O thread handles a socket only when it gets the pair's lock without waiting; while
+    another thread of the rank holds it, epoll reports the socket again and again and the I/O
+    thread spins. With one core per rank the holder waits for that core, so the op stalls until
+    the scheduler rotates, and the spin burns the rank's core meanwhile. Measured on the 2-core
+    machine, 10 Gbit/s: after 20 ms of compute a 0.37 MB all-reduce took 3.4-6.5 ms where the
+    sweep's back-to-back loop takes 0.6, and the slow ones spent that time in CPU on one or both
+    ranks; after 2 ms of compute it stalled in some runs and not in others. So the gap matters:
+    a sample is ``gap`` seconds of matrix products on every rank, then one all-reduce timed in
+    wall and process CPU time per rank; gaps and sizes interleave, so drift hits all. Kept per
+    (size, gap): samples of (wall excess, CPU excess of rank 0, of rank 1, ...), each with the
+    process group it ran in (``stall_groups`` fresh ones, as each stalls at a rate of its own).
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    a = torch.randn(128, 128)
+    # Three sizes a training step issues: a tiny op, a small bucket, DDP's first bucket (1 MiB);
+    # of each, the largest that the sweep measured under 50 ms.
+    picks: dict[int, float] = {}
+    for want in (4, 256 << 10, 1 << 20):
+        cands = [r for r in rows if r["size"] <= want and r["time_s"] < 0.05]
+        if cands:
+            picks[cands[-1]["size"]] = cands[-1]["time_s"]
+    bufs = {size: torch.ones(max(1, size // 4)) for size in picks}
+    cells = [(size, gap) for size in picks for gap in plan.stall_gaps_s]
+    walls: dict[tuple, list[float]] = {c: [] for c in cells}
+    cpus: dict[tuple, list[list[float]]] = {c: [] for c in cells}
+    groups: dict[tuple, list[int]] = {c: [] for c in cells}
+    per_group = max(1, plan.stall_repeats // plan.stall_groups)
+    t_all = time.perf_counter()
+    for gi in range(plan.stall_groups):
+        # Each group is a fresh gloo context (its own threads and sockets), and how often its ops
+        # stall is its own: 1 MiB after 2 ms, 0 to 21 of 22 in six groups of one process. A job
+        # keeps one for its life, so the samples keep their group and a run draws from one.
+        pg = dist.new_group(backend="gloo")
+        for x in bufs.values():
+            dist.all_reduce(x, group=pg)
+        order = [cell for _ in range(per_group) for cell in cells]
+        mine = torch.zeros(len(order), n + 1, dtype=torch.float64)
+        for i, (size, gap) in enumerate(order):
+            # Compute, then the op, and nothing else between ops: as in a training step, the
+            # op before is what the compute follows. A barrier (or an op gathering the figures)
+            # before each made it stall more (10 Gbit/s, 0.37 MB after 6 ms: 6.7 ms median with
+            # a barrier, 1.2 without); the figures are gathered once the group is done.
+            until = time.perf_counter() + gap
+            while time.perf_counter() < until:
+                torch.mm(a, a)
+            t, c = time.perf_counter(), time.process_time()
+            dist.all_reduce(bufs[size], group=pg)
+            mine[i, 0], mine[i, 1 + rank] = time.perf_counter() - t, time.process_time() - c
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=pg)
+        for cell, row in zip(order, mine.tolist()):
+            walls[cell].append(row[0])
+            cpus[cell].append(row[1:])
+            groups[cell].append(gi)
+        dist.destroy_process_group(pg)
+        if decide([time.perf_counter() - t_all])[0] > plan.stall_budget_s:
+            break  # a slow network: what was measured will do
+
+    def excess(values: list[float]) -> list[float]:
+        base = sorted(values)[len(values) // 10]
+        return [v - base if v - base >= STALL_MIN_S else 0.0 for v in values]
+
+    cells_out = []
+    for (size, gap), w in walls.items():
+        # Wall time against the sweep's (what the profile's fit holds): an op after compute is
+        # slower even when no rank spins (10 Gbit/s, 2 MiB: 3.8 ms at best, 2.6 in the sweep).
+        w_ex = [max(0.0, v - picks[size]) for v in w]
+        c_ex = list(zip(*[excess([c[r] for c in cpus[(size, gap)]]) for r in range(n)]))
+        spun = [x for x, c in zip(w_ex, c_ex) if max(c) > 0]
+        cells_out.append({"size": bufs[size].numel() * 4, "gap_s": gap, "swept_s": picks[size],
+                          "samples": [[x, *c] for x, c in zip(w_ex, c_ex)], "groups": groups[(size, gap)],
+                          "spun": len(spun) / len(w_ex), "median_excess_s": statistics.median(w_ex),
+                          "median_spin_stall_s": statistics.median(spun) if spun else 0.0})
+    return {"ranks": n, "cells": cells_out}
 
 
 def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:

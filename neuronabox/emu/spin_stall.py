@@ -1,0 +1,129 @@
+"""Gloo's spin stalls: an op issued by a training step can wait milliseconds on its own rank's core.
+
+Gloo's I/O thread handles a socket only when it takes the pair's lock without waiting. While
+another thread of the rank holds that lock, epoll reports the socket again and again and the
+I/O thread spins; with one core per rank, the holder then waits for that very core, and the op
+stalls until the scheduler rotates (2.5-6 ms on the 2-core machine), burning the core all the
+while. Back-to-back loops (nccl-tests, the calibration's sweep) rarely meet it; ops issued after
+or beside compute, as DDP's buckets are, often do: at 10 Gbit/s it was most of the iteration
+time that model mode lacked (the CNN's last bucket, 0.37 MB, took 4.5-6.6 ms in the real
+system and 1.3 ms emulated).
+
+``nbox calibrate`` measures it (profile field ``spin_stall``: per size and idle gap, samples of
+the op's wall-time excess and each rank's CPU excess, for ops issued that long after compute:
+after 2 ms an op stalled in some runs and not in others, after 20 ms in most). The timeline draws
+one sample per op issued with its communicator idle (not back to back after its predecessor,
+and not beside it: one I/O thread serves both, so they share one stall): the op lasts the sample's
+wall excess longer, and this rank's core spends one rank's CPU excess (a random one of the
+sample's ranks, as this rank is any of them) through the footprint thread. The gap is how long
+the communicator was idle before the op was issued.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import math
+import random
+import time
+
+__all__ = ["SpinStall", "BACK_TO_BACK_S", "wait_spinning"]
+
+# An op issued within this long of its predecessor's end is part of a back-to-back loop: the
+# sweep's loops, which rarely stall, are what the profile's times already hold.
+BACK_TO_BACK_S = 0.5e-3
+
+
+class SpinStall:
+    """Draws (wall excess, this rank's CPU excess) for an op of a given size and idle gap from calibrated samples.
+
+    Samples keep the process group they were measured in: each gloo context stalls at a rate of
+    its own (1 MiB after 2 ms of compute: 0 to 21 of 22 ops in six groups of one process), and a
+    job keeps its communicator for life. ``for_communicator`` picks one measured group for a new
+    communicator, so emulated runs differ from each other as real runs do.
+    """
+
+    def __init__(self, cells: dict[tuple[int, float], list[tuple[int, list[float]]]], seed: int | None = None):
+        self._sizes = sorted({s for s, _ in cells})
+        self._size_logs = [math.log(max(1, s)) for s in self._sizes]
+        self._gaps = {s: sorted(g for s2, g in cells if s2 == s) for s in self._sizes}
+        self._gap_logs = {s: [math.log(g) for g in gaps] for s, gaps in self._gaps.items()}
+        self._cells = cells
+        self._groups = sorted({g for rows in cells.values() for g, _ in rows})
+        self._group: int | None = None  # None: every group's samples
+        self._rng = random.Random(seed)
+
+    @classmethod
+    def from_profile(cls, profile: dict | None, seed: int | None = None) -> "SpinStall | None":
+        """The profile's stall samples, or None when it has none (or no op ever took longer)."""
+        if not profile or not isinstance(profile.get("spin_stall"), dict):
+            return None
+        cells = {}
+        for c in profile["spin_stall"].get("cells") or []:
+            samples = c.get("samples") or []
+            groups = c.get("groups") or [0] * len(samples)
+            rows = [(int(g), list(map(float, r))) for g, r in zip(groups, samples) if len(r) >= 2]
+            if rows:
+                cells[(int(c["size"]), float(c["gap_s"]))] = rows
+        if not cells or not any(r[0] > 0 for rows in cells.values() for _, r in rows):
+            return None
+        return cls(cells, seed)
+
+    def for_communicator(self) -> "SpinStall":
+        """A view drawing only from one measured process group, picked at random (a new communicator's)."""
+        view = SpinStall.__new__(SpinStall)
+        view.__dict__.update(self.__dict__)
+        view._group = self._rng.choice(self._groups)
+        view._rng = random.Random(self._rng.random())
+        return view
+
+    @staticmethod
+    def _nearest(logs: list[float], x: float) -> int:
+        i = bisect.bisect_left(logs, x)
+        if i == 0:
+            return 0
+        if i == len(logs):
+            return len(logs) - 1
+        return i if logs[i] - x < x - logs[i - 1] else i - 1
+
+    def _rows_for(self, nbytes: int, gap: float) -> list[list[float]]:
+        # The nearest measured size, then the nearest measured gap, both on a log scale.
+        size = self._sizes[self._nearest(self._size_logs, math.log(max(1, nbytes)))]
+        g = self._gaps[size][self._nearest(self._gap_logs[size], math.log(max(gap, 1e-6)))]
+        rows = self._cells[(size, g)]
+        mine = [r for grp, r in rows if grp == self._group]
+        return mine or [r for _, r in rows]
+
+    def draw(self, nbytes: int, gap: float) -> tuple[float, float]:
+        """(seconds the op waits before its bytes move, CPU seconds this rank's core spins) for one op of ``nbytes`` issued ``gap`` s after the last."""
+        row = self._rng.choice(self._rows_for(nbytes, gap))
+        cpus = row[1:]
+        own = self._rng.choice(cpus) if cpus else 0.0
+        return max(0.0, row[0]), max(0.0, own)
+
+    def mean(self, nbytes: int, gap: float) -> tuple[float, float]:
+        """Mean (wall excess, one rank's CPU excess) at ``nbytes`` and ``gap``: what the draws average to."""
+        rows = self._rows_for(nbytes, gap)
+        wall = sum(r[0] for r in rows) / len(rows)
+        cpus = [c for r in rows for c in r[1:]]
+        return wall, (sum(cpus) / len(cpus) if cpus else 0.0)
+
+
+_CHUNK = 64 << 10  # bytes per memcpy: tens of microseconds, so the deadline is checked often
+
+
+def wait_spinning(stall: float, spin: float) -> None:
+    """Wait ``stall`` seconds, spending ``spin`` of them in CPU on this thread as gloo's spinning I/O thread does.
+
+    The spin is ``memcpy`` through ctypes, which drops the GIL, like the footprint's work; the
+    rest of the stall is slept.
+    """
+    end = time.perf_counter() + stall
+    if spin > 0:
+        src, dst = ctypes.create_string_buffer(_CHUNK), ctypes.create_string_buffer(_CHUNK)
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < spin and time.perf_counter() < end:
+            ctypes.memmove(dst, src, _CHUNK)
+    left = end - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
