@@ -109,8 +109,10 @@ class Emulator:
                                             if cost is not None else None)
         # Gloo's spin stalls (spin_stall.py): drawn per op from the profile. Also in wire mode,
         # whose client moves the bytes but is not gloo: the wire thread waits and spins them.
+        # Unseeded: which measured process group a communicator follows differs from run to run,
+        # as the real runs differ (10 Gbit/s MLP: run medians 5.3-9.6 ms, one run in five stalling).
         gloo_timed = self.hybrid is None and topology.emulation.library == "gloo"
-        self.stall: SpinStall | None = SpinStall.from_profile(profile, seed=real_rank) if gloo_timed else None
+        self.stall: SpinStall | None = SpinStall.from_profile(profile) if gloo_timed else None
         rate = busy_rate_from_profile(profile)
         self.busy_rate: float | None = rate if (rate is not None and rate < 1.0 and modeled_cpu) else None
 
