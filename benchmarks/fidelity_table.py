@@ -264,6 +264,9 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
            "No load twin (`--no-twin`): the emulated rank 0 has the machine to itself. ")
         + ("Peer noise on (`emulation.peer_noise`): each iteration the emulated rank 1 arrives at the collectives as late "
            "as a draw from rank 0's own recent compute times says, and DDP waits for it. " if noise else "")
+        + "Spin stalls (both modes, where the profile measured them): each op issued on an idle communicator waits "
+        "as long as a sample of what ops issued after compute took beyond the calibration's sweep, gloo's I/O thread "
+        "spinning on a rank's core meanwhile (README, \"A CPU library's collectives\"). "
         + "Error = (emulated - real) / real median; real spread = (max - min) / median of the real runs' medians; "
         "≈ marks an error within the real spread; [a, b] is the error's 95% bootstrap interval over whole runs "
         "(each system's run medians resampled, 2000 draws): where it is wider than ±1%, these runs cannot tell "
