@@ -151,3 +151,11 @@ def test_the_wire_thread_waits_a_stall_spending_its_spin_in_cpu():
     wait_spinning(0.030, 0.010)
     wall, cpu = time.perf_counter() - t, time.thread_time() - c
     assert wall >= 0.030 and cpu == pytest.approx(0.010, abs=0.004)
+
+
+def test_wire_mode_waits_only_as_long_as_a_rank_spun():
+    """The rest of the excess is the path's own cost after idling, which wire mode's real sockets pay."""
+    st = SpinStall.from_profile(profile([(4, 0.02, [[0.005, 0.003, 0.001]])]), seed=2)
+    assert st.for_communicator().draw(4, 0.02)[0] == 0.005
+    wire = st.for_communicator(spin_only=True)
+    assert {wire.draw(4, 0.02) for _ in range(50)} == {(0.003, 0.003), (0.003, 0.001)}

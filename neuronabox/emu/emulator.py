@@ -125,7 +125,7 @@ class Emulator:
             if self.busy_rate is not None:
                 tl.coupling = HostCoupling(self.busy_rate, self._compute_cpu)
             tl.footprint = self.footprint
-            tl.stall = self.stall.for_communicator() if self.stall is not None else None
+            tl.stall = self.stall.for_communicator(spin_only=self.wire is not None) if self.stall is not None else None
             if self._modeled_cpu:
                 tl.slots = self.topology.emulation.gloo_threads
             self.timelines.append(tl)
