@@ -13,8 +13,8 @@ system and 1.3 ms emulated).
 the op's wall-time excess and each rank's CPU excess, for ops issued that long after compute:
 after 2 ms an op stalled in some runs and not in others, after 20 ms in most). The timeline draws
 one sample per op issued with its communicator idle (not back to back after its predecessor,
-and not beside it: one I/O thread serves both, so they share one stall): the op lasts the sample's
-wall excess longer, and this rank's core spends one rank's CPU excess (a random one of the
+and not beside it: one I/O thread serves both, so they share one stall): the op's bytes move the
+sample's wall excess later, and this rank's core spends one rank's CPU excess (a random one of the
 sample's ranks, as this rank is any of them) through the footprint thread. The gap is how long
 the communicator was idle before the op was issued. In wire mode the wire thread waits instead,
 and only as long as a rank spun (the rest of the excess is the path's, which real sockets pay).
@@ -48,7 +48,7 @@ class SpinStall:
         self._sizes = sorted({s for s, _ in cells})
         self._size_logs = [math.log(max(1, s)) for s in self._sizes]
         self._gaps = {s: sorted(g for s2, g in cells if s2 == s) for s in self._sizes}
-        self._gap_logs = {s: [math.log(g) for g in gaps] for s, gaps in self._gaps.items()}
+        self._gap_logs = {s: [math.log(max(g, 1e-6)) for g in gaps] for s, gaps in self._gaps.items()}
         self._cells = cells
         self._groups = sorted({g for rows in cells.values() for g, _ in rows})
         self._group: int | None = None  # None: every group's samples
