@@ -192,10 +192,6 @@ def _machine(load_before, load_after) -> dict:
             "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after]}
 
 
-def _size(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
-
-
 def _ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:.2f}"
 
@@ -234,6 +230,8 @@ def _error_cell(m: dict, real_runs: list[float] | None = None) -> str:
 
 def write(args, rows: list[dict], modes: list[str], command: str, seconds: float, machine: dict | None = None) -> None:
     """The Markdown table (and the JSON beside it)."""
+    from neuronabox.units import format_size
+
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = machine or {}
@@ -307,7 +305,7 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         if stall:
             gaps = "/".join(f"{g * 1e3:g}" for g in sorted({x["gap_s"] for x in stall}))
             parts.append(f"after compute ({gaps} ms), an all-reduce's median extra time over the sweep: " + "; ".join(
-                f"{_size(size)} " + "/".join(f"{x['median_excess_s'] * 1e3:.1f}" for x in stall if x["size"] == size) + " ms"
+                f"{format_size(size)} " + "/".join(f"{x['median_excess_s'] * 1e3:.1f}" for x in stall if x["size"] == size) + " ms"
                 for size in sorted({x["size"] for x in stall})) + " (gloo spun on a rank's core in "
                 + f"{min(x['spun'] for x in stall):.0%}-{max(x['spun'] for x in stall):.0%} of them)")
         if pair:

@@ -23,6 +23,7 @@ and only as long as a rank spun (the rest of the excess is the path's, which rea
 from __future__ import annotations
 
 import bisect
+import copy
 import ctypes
 import math
 import random
@@ -49,9 +50,9 @@ class SpinStall:
         self._size_logs = [math.log(max(1, s)) for s in self._sizes]
         self._gaps = {s: sorted(g for s2, g in cells if s2 == s) for s in self._sizes}
         self._gap_logs = {s: [math.log(max(g, 1e-6)) for g in gaps] for s, gaps in self._gaps.items()}
-        self._cells = cells
+        self._tagged = cells  # (group, sample) per cell
         self._groups = sorted({g for rows in cells.values() for g, _ in rows})
-        self._group: int | None = None  # None: every group's samples
+        self._cells = {c: [r for _, r in rows] for c, rows in cells.items()}  # what draws pick from: every group's
         self._spin_only = False
         self._rng = random.Random(seed)
 
@@ -79,9 +80,10 @@ class SpinStall:
         mode's real sockets and relay pay that part for real (at 1 Gbit/s the whole excess made
         it 6.5 % slow where it had been within 1.6 %).
         """
-        view = SpinStall.__new__(SpinStall)
-        view.__dict__.update(self.__dict__)
-        view._group = self._rng.choice(self._groups)
+        view = copy.copy(self)
+        group = self._rng.choice(self._groups)
+        # Filtered once here, not per op (a cell without this group's samples keeps every group's).
+        view._cells = {c: [r for g, r in rows if g == group] or self._cells[c] for c, rows in self._tagged.items()}
         view._rng = random.Random(self._rng.random())
         view._spin_only = spin_only
         return view
@@ -99,9 +101,7 @@ class SpinStall:
         # The nearest measured size, then the nearest measured gap, both on a log scale.
         size = self._sizes[self._nearest(self._size_logs, math.log(max(1, nbytes)))]
         g = self._gaps[size][self._nearest(self._gap_logs[size], math.log(max(gap, 1e-6)))]
-        rows = self._cells[(size, g)]
-        mine = [r for grp, r in rows if grp == self._group]
-        return mine or [r for _, r in rows]
+        return self._cells[(size, g)]
 
     def draw(self, nbytes: int, gap: float) -> tuple[float, float]:
         """(seconds the op waits before its bytes move, CPU seconds this rank's core spins) for one op of ``nbytes`` issued ``gap`` s after the last."""
