@@ -820,7 +820,7 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     sweep's back-to-back loop takes 0.6, and the slow ones spent that time in CPU on one or both
     ranks; after 2 ms of compute it stalled in some runs and not in others. So the gap matters:
     a sample is ``gap`` seconds of matrix products on every rank, then one all-reduce timed in
-    wall and process CPU time per rank; gaps and sizes interleave, so drift hits all. Kept per
+    wall and process CPU time per rank, in one block per cell and group. Kept per
     (size, gap): samples of (wall excess, CPU excess of rank 0, of rank 1, ...), each with the
     process group it ran in (``stall_groups`` fresh ones, as each stalls at a rate of its own).
     """
@@ -850,7 +850,12 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
         pg = dist.new_group(backend="gloo")
         for x in bufs.values():
             dist.all_reduce(x, group=pg)
-        order = [cell for _ in range(per_group) for cell in cells]
+        # A cell's samples run as one block, each op after the same compute and the same op: a
+        # training step repeats one pattern. Cells interleaved stalled more (10 Gbit/s, 1 MiB
+        # after 2 ms: a 4.0-5.6 ms median against 2.6-3.1 in blocks, three pairs of runs; 4 B
+        # 0.9-2.4 against 0.6-0.9), more than DDP's ops did (its MLP's 1 MiB bucket 3.5-4.8 ms
+        # with a 0.5 MiB one beside it). A block's first op follows another cell: left out.
+        order = [cell for cell in cells for _ in range(per_group + 1)]
         mine = torch.zeros(len(order), n + 1, dtype=torch.float64)
         for i, (size, gap) in enumerate(order):
             # Compute, then the op, and nothing else between ops: as in a training step, the
@@ -864,7 +869,9 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
             dist.all_reduce(bufs[size], group=pg)
             mine[i, 0], mine[i, 1 + rank] = time.perf_counter() - t, time.process_time() - c
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=pg)
-        for cell, row in zip(order, mine.tolist()):
+        for i, (cell, row) in enumerate(zip(order, mine.tolist())):
+            if i % (per_group + 1) == 0:
+                continue
             walls[cell].append(row[0])
             cpus[cell].append(row[1:])
             groups[cell].append(gi)
