@@ -355,3 +355,41 @@ def test_the_surplus_over_an_ops_cpu_is_spent_beside_it_and_never_holds_it_up():
     time.sleep(0.010)
     small.stop()
     assert small.spent == pytest.approx(0.010, abs=0.003)  # below 1 the cost itself shrinks
+
+
+def test_an_ops_cost_goes_before_another_ops_surplus():
+    """DDP's second bucket, issued while the first runs: its cost does not wait for the first's surplus."""
+    from neuronabox.emu.footprint import Footprint
+
+    fp = Footprint(0.0, 0.0, scale=3.0)
+    t = time.perf_counter()
+    a = rec(0, t, 0.100)
+    a.end = t + 0.100
+    fp.charge(a, 0.020)  # 20 ms holds it, 40 more beside it until its end
+    b = rec(1, t, 0.010)
+    b.end = t + 0.010  # already due: its 10 ms go first
+    fp.charge(b, 0.010)
+    fp.wait(b)
+    took = time.perf_counter() - t
+    fp.wait(a)
+    fp.stop()
+    assert took < 0.030  # not after a's 60 ms
+    assert a.end == pytest.approx(t + 0.100, abs=0.003)
+
+
+def test_an_op_beside_a_running_one_spends_its_cpu_from_then():
+    """With ``since`` the CPU spreads from the op's issue, not only over its link time after the other op."""
+    from neuronabox.emu.footprint import Footprint
+
+    fp = Footprint(0.0, 0.0)
+    t = time.perf_counter()
+    r = rec(0, t + 0.080, 0.020)  # its link time: the last 20 ms of 100
+    r.end = t + 0.100
+    fp.charge(r, 0.020, since=t)
+    time.sleep(0.050)
+    halfway = fp.cpu_time()
+    fp.wait(r)
+    took = time.perf_counter() - t
+    fp.stop()
+    assert 0.005 < halfway < 0.016  # about half by half the way: paced from t, not from t + 80 ms
+    assert took < 0.104  # its 20 ms fit in 100 ms: the op is not held past its end

@@ -422,8 +422,12 @@ class Timeline:
                 # does not stretch as it stretches the transfer (host coupling).
                 r.start += r.stall
             overlap = 0.0
+            beside = None
             if prev_end > r.start:  # only with slots > 1: the previous op is still running
                 overlap = self._overlap(r, self.recent[-1] if self.recent else None, prev_end)
+                # Gloo interleaves both ops' bytes on the pair's socket, so this op's CPU goes from
+                # now on, beside the other's, not after it as the link time is counted.
+                beside = r.start
             if coupling is not None:
                 r.coupled = self
                 coupling.admit(r, prev_end, r.duration - overlap)
@@ -433,7 +437,7 @@ class Timeline:
             self.recent.append(r)
         if self.footprint is not None:
             r.footprint = self.footprint
-            self.footprint.charge(r, self.footprint.cost(op, nbytes, self.group.size), exact=r.spin)
+            self.footprint.charge(r, self.footprint.cost(op, nbytes, self.group.size), exact=r.spin, since=beside)
         self.recorder.add(r)
         return r
 
