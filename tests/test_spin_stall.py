@@ -30,11 +30,23 @@ def test_no_samples_or_no_excess_means_no_stalls():
 
 @pytest.mark.parametrize("nbytes, gap, wall", [
     (4, 0.001, 0.0), (4, 0.05, 0.003), (1000, 0.02, 0.003),  # 1000 B is nearer 4 B than 256 KiB on a log scale
-    (100_000, 0.02, 0.005), (64 << 20, 0.003, 0.001), (1 << 20, 0.01, 0.005),
+    (100_000, 0.02, 0.005), (64 << 20, 0.002, 0.001), (1 << 20, 0.02, 0.005),
 ])
-def test_the_nearest_size_and_gap_on_a_log_scale(nbytes, gap, wall):
+def test_the_nearest_size_and_a_measured_or_outlying_gap(nbytes, gap, wall):
     st = SpinStall.from_profile(PROFILE, seed=1)
     assert st.draw(nbytes, gap)[0] == wall
+
+
+@pytest.mark.parametrize("gap", [0.003, 0.0063, 0.015])
+def test_a_gap_between_two_measured_ones_draws_from_both_by_nearness_on_a_log_scale(gap):
+    import math
+
+    st = SpinStall.from_profile(PROFILE, seed=2)
+    w = math.log(gap / 0.002) / math.log(10)  # the share of the 20 ms cell
+    draws = [st.draw(262144, gap)[0] for _ in range(4000)]
+    assert set(draws) == {0.001, 0.005}
+    assert draws.count(0.005) / len(draws) == pytest.approx(w, abs=0.03)
+    assert st.mean(262144, gap)[0] == pytest.approx((1 - w) * 0.001 + w * 0.005)
 
 
 def test_this_rank_spins_as_any_one_of_the_sampled_ranks():
