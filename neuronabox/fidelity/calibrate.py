@@ -510,7 +510,11 @@ class WorkerPlan:
     extra: dict = field(default_factory=dict)
     busy_repeats: int = 21  # samples of the busy-progress measurement (0: skip it)
     busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
-    pair_repeats: int = 7  # samples of two all-reduces at once (0: skip it)
+    # Samples of two all-reduces at once (0: skip it). The model's overlap turns a small change
+    # of its figure into a large one of the idle link it fills (1 - x*S/T): at 100 Mbit/s two
+    # calibrations of 7 read 93.7 and 86.5 ns/B, and the DDP CNN +6.9 and +1.5 % (one pair
+    # spread 187-208 ms within a calibration). 21 cost 4-9 s more.
+    pair_repeats: int = 21
     stall_repeats: int = 32  # samples per (size, gap) of the op-after-compute measurement (0: skip it)
     stall_groups: int = 4  # spread over this many fresh process groups
     stall_gaps_s: tuple[float, ...] = (0.002, 0.006, 0.02)  # the compute before each of its ops
