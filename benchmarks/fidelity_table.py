@@ -158,8 +158,7 @@ def main() -> int:
                                            "lost_compute_s": bp.get("lost_compute_s"),
                                            "interference": interference(profile),
                                            "concurrency": {k: v for k, v in (profile.get("concurrency") or {}).items()
-                                                           if k in ("size", "second_size", "offset_s", "single_s", "pair_s",
-                                                                    "sec_per_byte")} or None,
+                                                           if k in ("size", "single_s", "pair_s", "sec_per_byte")} or None,
                                            "cpu_cost": {k: v for k, v in cost.items()
                                                         if k in ("per_op_s", "per_byte_s", "process_per_byte_s")},
                                            "spin_stall": [{k: c[k] for k in ("size", "gap_s", "spun", "median_excess_s",
@@ -310,13 +309,8 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
                 for size in sorted({x["size"] for x in stall})) + " (gloo spun on a rank's core in "
                 + f"{min(x['spun'] for x in stall):.0%}-{max(x['spun'] for x in stall):.0%} of them)")
         if pair:
-            if "second_size" in pair:
-                parts.append(f"two at once: {format_size(pair['size'])} all-reduce {pair['single_s'] * 1e3:.1f} ms alone, "
-                             f"{pair['pair_s'] * 1e3:.1f} ms with one of {format_size(pair['second_size'])} issued "
-                             f"{pair['offset_s'] * 1e3:.1f} ms in ({pair['sec_per_byte'] * 1e9:.1f} ns/B of link)")
-            else:  # a table from before the staggered pair
-                parts.append(f"two at once: {pair['size'] >> 10} KiB all-reduce {pair['single_s'] * 1e3:.1f} ms alone, "
-                             f"{pair['pair_s'] * 1e3:.1f} ms for two")
+            parts.append(f"two at once: {pair['size'] >> 10} KiB all-reduce {pair['single_s'] * 1e3:.1f} ms alone, "
+                         f"{pair['pair_s'] * 1e3:.1f} ms for two")
         lines.append(f"- {r['network']}: " + "; ".join(parts) + ".")
     if args.quick:
         lines += ["", "**Smoke run (`--quick`): these figures show the script works, they are not a fidelity "

@@ -64,13 +64,11 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     assert len(busy["lost_compute_s"]) == 2 and all(0.0 <= x <= busy["compute_s"] for x in busy["lost_compute_s"])
     assert 0.1e-9 <= cpu["per_byte_s"] <= 20e-9 and cpu["per_op_s"] >= 0.0
     assert "busy progress:" in r.stdout and "cpu cost per rank:" in r.stdout
-    # two all-reduces at once, the second (an eighth the size) issued a fifth of the way in:
-    # together no slower than one after the other, and their bytes no faster than the link
-    # (frames counted: payload is 1448 of every 1514 bytes)
+    # two all-reduces at once: together no slower than one after the other, and their bytes no
+    # faster than the link (frames counted: payload is 1448 of every 1514 bytes)
     pair = doc["concurrency"]
     assert pair["ranks"] == 2 and len(pair["pair_samples"]) == 21 and "two at once:" in r.stdout
-    assert pair["second_size"] == pair["size"] // 8 and 0.0 < pair["offset_s"] < pair["single_s"]
-    assert pair["offset_s"] < pair["pair_s"] <= 1.4 * pair["single_s"]
+    assert pair["pair_s"] <= 2.2 * pair["single_s"]
     assert 1 / pair["sec_per_byte"] <= 1.05 * rate * 1448 / 1514
     # ops issued after compute: per size and gap, samples of (wall excess, CPU excess per rank)
     stall = doc["spin_stall"]

@@ -181,14 +181,8 @@ def calibrate(
                       + "(model mode spends it on the real rank's core)")
     pair = doc.get("concurrency")
     if pair:
-        if "second_size" in pair:
-            console.print(f"two at once: an all-reduce of {format_size(pair['size'])} takes {pair['single_s'] * 1e3:.2f} ms "
-                          f"alone; with one of {format_size(pair['second_size'])} issued {pair['offset_s'] * 1e3:.2f} ms in, "
-                          f"both are done at {pair['pair_s'] * 1e3:.2f} ms: {pair['sec_per_byte'] * 1e9:.2f} ns/B of link "
-                          "(gloo runs two ops of a group at once)")
-        else:  # a profile from before the staggered pair
-            console.print(f"two at once: two all-reduces of {format_size(pair['size'])} take {pair['pair_s'] * 1e3:.2f} ms "
-                          f"together, one {pair['single_s'] * 1e3:.2f} ms alone (gloo runs two ops of a group at once)")
+        console.print(f"two at once: two all-reduces of {format_size(pair['size'])} take {pair['pair_s'] * 1e3:.2f} ms together, "
+                      f"one {pair['single_s'] * 1e3:.2f} ms alone (gloo runs two ops of a group at once)")
     stall = doc.get("spin_stall")
     if stall and stall.get("cells"):
         t = Table(title="ops issued after compute (model mode draws these per op)")

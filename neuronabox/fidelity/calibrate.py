@@ -676,9 +676,8 @@ def _worker(plan_path: str) -> None:
     if plan.pair_repeats > 0 and len(results.get(Op.ALL_REDUCE.value, [])) >= 2:
         pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, decide)
         if rank == 0:
-            print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone; with one of "
-                  f"{pair['second_size']} B issued {pair['offset_s'] * 1e3:.2f} ms in, both done at "
-                  f"{pair['pair_s'] * 1e3:.2f} ms ({pair['sec_per_byte'] * 1e9:.2f} ns/B of link)", flush=True)
+            print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone, "
+                  f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
     if rank == 0:
         Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated,
                                               "busy_progress": busy, "cpu_cost": cpu, "concurrency": pair,
@@ -902,52 +901,37 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     return {"ranks": n, "cells": cells_out}
 
 
-PAIR_OFFSET = 0.2  # the second op is issued this share of the first's time in (DDP's next bucket: 37.7 of 196 ms)
-PAIR_SECOND = 8  # the second op is this many times smaller (DDP's: 0.37 MB beside 2.1 MB)
-
-
 def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
-    """Link time per byte of all-reduce with a second op beside a running one (gloo runs two ops of a group together).
+    """Link time per byte of all-reduce when two run at once (gloo runs two ops of a group together).
 
     One all-reduce leaves the link idle part of its time (the ring waits on each step's
     reduction and round trip); a second op in flight fills it. Measured at 100 Mbit/s, 1 ms: a
     2.1 MB all-reduce alone 193 ms, with a 0.37 MB one issued 36 ms in 214 ms together where
-    one after the other is 228. A sample is what DDP does: an all-reduce of S bytes, and one of
-    S/8 issued ``o`` = a fifth of its time in; both are done ``E`` after the first began. From
-    then on the rest of the first op's bytes and the second's share the link, so its time per
-    byte is ``x = (E - o) / (S/8 + S (1 - o/T1))`` (T1: the first alone), which makes the
-    timeline's overlap end such a pair at E. Measured at 100 Mbit/s with 21 samples each, 2 MiB
-    first: a second of 256, 384, 512 KiB gave 88.4, 87.9, 88.1 ns/B (87.4 issued half way), and
-    the DDP CNN's own pair implies 87.9; two equal ops gave 85-95 ns/B from one median to the
-    next (their times bimodal), which moved the CNN's model error from +1.5 to +6.9 %. S is the
-    smallest measured size that takes ``busy_target_s`` x 6 (long enough that the link, not the
-    start, dominates). Single and pair samples alternate; medians.
+    one after the other is 228. Two all-reduces of S bytes started together take ``T2``; their
+    bytes share the link, so its time per byte is ``(T2 - t(4 B)) / 2S`` (the latency once).
+    S is the smallest measured size that takes ``busy_target_s`` x 3 (long enough that the
+    link, not the start, dominates). Single and pair samples alternate; medians.
     """
     import torch
     import torch.distributed as dist
 
-    row = next((r for r in rows if r["time_s"] >= 6 * plan.busy_target_s), rows[-1])
-    a, b = torch.ones(max(1, row["size"] // 4)), torch.ones(max(1, row["size"] // 4 // PAIR_SECOND))
-    offset = PAIR_OFFSET * row["time_s"]
+    size = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
+    a, b = torch.ones(max(1, size // 4)), torch.ones(max(1, size // 4))
     single, pair = [], []
     dist.all_reduce(a)
-    dist.all_reduce(b)
 
-    def staggered() -> None:
-        first = dist.all_reduce(a, async_op=True)
-        time.sleep(offset)
-        second = dist.all_reduce(b, async_op=True)
-        first.wait()
-        second.wait()
+    def two() -> None:
+        for w in [dist.all_reduce(x, async_op=True) for x in (a, b)]:
+            w.wait()
 
     for _ in range(plan.pair_repeats):
         single.append(_timed(lambda: dist.all_reduce(a), decide))
-        pair.append(_timed(staggered, decide))
-    t1, e = statistics.median(single), statistics.median(pair)
-    size, second = a.numel() * 4, b.numel() * 4
-    left = second + size * max(0.0, 1.0 - offset / t1)
-    return {"size": size, "second_size": second, "offset_s": offset, "ranks": n, "single_s": t1, "pair_s": e,
-            "sec_per_byte": max(e - offset, 0.0) / left, "single_samples": single, "pair_samples": pair}
+        pair.append(_timed(two, decide))
+    latency = rows[0]["time_s"]
+    t1, t2 = statistics.median(single), statistics.median(pair)
+    size = a.numel() * 4
+    return {"size": size, "ranks": n, "single_s": t1, "pair_s": t2, "sec_per_byte": max(t2 - latency, 0.0) / (2 * size),
+            "single_samples": single, "pair_samples": pair}
 
 
 def _op_call(op: Op, size: int, rank: int, n: int):
