@@ -200,6 +200,52 @@ def test_a_second_gloo_op_fills_the_link_time_the_first_leaves_idle():
     assert c.end - c.start == pytest.approx(d_b)
 
 
+
+def test_time_an_op_lost_to_compute_is_link_time_a_second_op_can_fill(monkeypatch):
+    """The first op ran behind while the host computed; a second op issued then shares the link
+    over the time the first really takes, so it ends sooner after the first than with an idle
+    host's share (100 Mbit/s CNN: 2.1 MB bucket 6 ms behind, the 0.37 MB one still ended 17 ms
+    after it, as with an idle host)."""
+    import neuronabox.emu.timeline as tlmod
+    from neuronabox.emu.timeline import Recorder, Timeline
+    from neuronabox.model.base import CommModel, Estimate
+    from neuronabox.topology import parse_topology
+
+    class Linear(CommModel):
+        name = "linear"
+
+        def estimate(self, op, nbytes, group, root=0):
+            return Estimate(0.002 + nbytes / 10.9e6, "linear")
+
+        def link_time(self, op, nbytes, group, root=0):
+            return nbytes / 11.9e6
+
+    topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 100Mbps}}\nemulation: {library: gloo}\n")
+    now = [10.0]
+    monkeypatch.setattr(tlmod, "clock", lambda: now[0])
+    ends = {}
+    for busy in (False, True):
+        cpu = FakeCPU()
+        tl = Timeline("c", (0, 1), Linear(topo), Recorder())
+        tl.slots = 2
+        tl.coupling = HostCoupling(0.5, cpu)
+        now[0] = 10.0
+        a = tl.schedule(Op.ALL_REDUCE, 2_100_000)
+        now[0] = 10.036  # the host computed all 36 ms (busy) or slept
+        cpu.t = 0.036 if busy else 0.0
+        b = tl.schedule(Op.ALL_REDUCE, 373_000)
+        assert tl.coupling.lost(a) == pytest.approx(0.018 if busy else 0.0)
+        now[0] = 20.0
+        tl.settle(b)
+        ends[busy] = (a.end, b.end)
+    (a_idle, b_idle), (a_busy, b_busy) = ends[False], ends[True]
+    assert a_busy == pytest.approx(a_idle + 0.018)  # the first op itself is late by what it lost
+    x_a, x_b, d_a = 2_100_000 / 11.9e6, 373_000 / 11.9e6, 0.002 + 2_100_000 / 10.9e6
+    assert b_idle - a_idle == pytest.approx(x_b - (a_idle - 10.036) * (1 - x_a / d_a))
+    # b's bytes against the link a leaves idle over the time a really takes (its 18 ms lost included)
+    assert b_busy - a_busy == pytest.approx(x_b - (a_busy - 10.036) * (1 - x_a / (d_a + 0.018)))
+    assert b_busy - a_busy < x_b - (a_busy - 10.036) * (1 - x_a / d_a) - 0.001  # sooner than an idle host's share
+
 # ---- footprint: the op's CPU spent for real, competing with the training thread ------------------
 def test_footprint_spends_the_cost_in_cpu_time_and_completes_after_it():
     from neuronabox.emu.footprint import Footprint

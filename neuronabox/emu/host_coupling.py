@@ -56,6 +56,7 @@ class HostCoupling:
         self._cpu = cpu_clock
         self.pending: deque[OpRecord] = deque()
         self._left: dict[int, float] = {}  # seq -> seconds of idle-host progress still needed
+        self._need: dict[int, float] = {}  # seq -> seconds of progress it needed when admitted
         self._mark_t: float | None = None
         self._mark_cpu = 0.0
 
@@ -66,7 +67,16 @@ class HostCoupling:
         r.end = r.start + left
         self.pending.append(r)
         self._left[r.seq] = left
+        self._need[r.seq] = left
         return r.end
+
+    def lost(self, r: "OpRecord") -> float:
+        """Seconds the pending op ``r`` has fallen behind an idle host so far (as of the last settle); 0 once done."""
+        left = self._left.get(r.seq)
+        if left is None or r.end is None or r.start is None:
+            return 0.0
+        # After a settle the head's tentative end is now + left: its wall time so far less the progress made.
+        return max(0.0, (r.end - r.start) - self._need[r.seq])
 
     def settle(self, now: float) -> float:
         """Account progress up to ``now``; fix or move the ends of pending ops; returns the last end."""
@@ -91,6 +101,7 @@ class HostCoupling:
                 h.end = seg + max(0.0, need) / rate
                 pending.popleft()
                 del left[h.seq]
+                del self._need[h.seq]
                 t = h.end
                 if pending:
                     nxt = pending[0]
