@@ -168,11 +168,8 @@ def test_gloo_runs_two_ops_of_a_group_at_once(emulate_const, library, ends):
     assert [round((r.end - t0) / 0.020) for r in ops] == ends
 
 
-def test_a_second_gloo_op_fills_the_link_time_the_first_leaves_idle():
-    """With the link share known (calibrated two-at-once), the second op overlaps its own idle part
-    and the idle link time of the first, not just a latency: measured at 100 Mbit/s, a 0.37 MB
-    all-reduce issued 36 ms into a 2.1 MB one ended 21 ms after it, where alone it takes 35."""
-    from neuronabox.emu.timeline import Recorder, Timeline
+def linear_100m():
+    """A 100 Mbit/s model: one op alone 2 ms + bytes at 10.9 MB/s; two at once reach the link's 11.9 MB/s."""
     from neuronabox.model.base import CommModel, Estimate
     from neuronabox.topology import parse_topology
 
@@ -180,13 +177,21 @@ def test_a_second_gloo_op_fills_the_link_time_the_first_leaves_idle():
         name = "linear"
 
         def estimate(self, op, nbytes, group, root=0):
-            return Estimate(0.002 + nbytes / 10.9e6, "linear")  # one op alone: 10.9 MB/s
+            return Estimate(0.002 + nbytes / 10.9e6, "linear")
 
         def link_time(self, op, nbytes, group, root=0):
-            return nbytes / 11.9e6  # two at once reach the link's 11.9 MB/s
+            return nbytes / 11.9e6
 
-    topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 100Mbps}}\nemulation: {library: gloo}\n")
-    tl = Timeline("c", (0, 1), Linear(topo), Recorder())
+    return Linear(parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 100Mbps}}\nemulation: {library: gloo}\n"))
+
+
+def test_a_second_gloo_op_fills_the_link_time_the_first_leaves_idle():
+    """With the link share known (calibrated two-at-once), the second op overlaps its own idle part
+    and the idle link time of the first, not just a latency: measured at 100 Mbit/s, a 0.37 MB
+    all-reduce issued 36 ms into a 2.1 MB one ended 21 ms after it, where alone it takes 35."""
+    from neuronabox.emu.timeline import Recorder, Timeline
+
+    tl = Timeline("c", (0, 1), linear_100m(), Recorder())
     tl.slots = 2
     a = tl.schedule(Op.ALL_REDUCE, 2_100_000, ready=10.0)
     b = tl.schedule(Op.ALL_REDUCE, 373_000, ready=10.036)
@@ -208,25 +213,13 @@ def test_time_an_op_lost_to_compute_is_link_time_a_second_op_can_fill(monkeypatc
     after it, as with an idle host)."""
     import neuronabox.emu.timeline as tlmod
     from neuronabox.emu.timeline import Recorder, Timeline
-    from neuronabox.model.base import CommModel, Estimate
-    from neuronabox.topology import parse_topology
 
-    class Linear(CommModel):
-        name = "linear"
-
-        def estimate(self, op, nbytes, group, root=0):
-            return Estimate(0.002 + nbytes / 10.9e6, "linear")
-
-        def link_time(self, op, nbytes, group, root=0):
-            return nbytes / 11.9e6
-
-    topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 100Mbps}}\nemulation: {library: gloo}\n")
     now = [10.0]
     monkeypatch.setattr(tlmod, "clock", lambda: now[0])
     ends = {}
     for busy in (False, True):
         cpu = FakeCPU()
-        tl = Timeline("c", (0, 1), Linear(topo), Recorder())
+        tl = Timeline("c", (0, 1), linear_100m(), Recorder())
         tl.slots = 2
         tl.coupling = HostCoupling(0.5, cpu)
         now[0] = 10.0
