@@ -4,9 +4,15 @@ Nothing in it knows about NeuronaBox: run with torchrun (or as every rank of `nb
 real system) it trains for real; under `nbox run` it is the real rank of an emulated world.
 
     nbox validate topo.yaml -- python examples/fidelity_models.py --arch cnn --steps 20
+
+``--bucket-log PATH`` times each step's phases and each gradient bucket's all-reduce (through
+DDP's stock all-reduce hook, wrapped) and writes them to ``PATH.rank<R>.json``; the diagnostic
+``benchmarks/bucket_timeline.py`` compares them between the real and the emulated systems.
 """
 
 import argparse
+import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,20 +62,32 @@ def main() -> None:
     p.add_argument("--arch", choices=["mlp", "cnn", "transformer"], default="mlp")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--bucket-log", help="write per-step phase and per-bucket all-reduce times to PATH.rank<R>.json")
     args = p.parse_args()
     torch.set_num_threads(1)  # one core per rank, as the real system pins them
     torch.manual_seed(0)
     dist.init_process_group("gloo")
     model, x, y = build(args.arch, args.batch)
     model = DDP(model)
+    steps: list[list[float]] = []
+    buckets: list[list[float]] = []
+    if args.bucket_log:
+        model.register_comm_hook(None, _timed_allreduce(buckets))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.CrossEntropyLoss()
     loss = torch.zeros(())
     for _ in range(args.steps):
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y.flatten())
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        steps.append([t0, t1, t2, time.perf_counter()])
+    if args.bucket_log:
+        with open(f"{args.bucket_log}.rank{dist.get_rank()}.json", "w") as f:
+            json.dump({"steps": steps, "buckets": buckets}, f)
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"{args.arch}: {params} parameters, {args.steps} steps, last loss {loss.item():.4f}", flush=True)
@@ -77,6 +95,22 @@ def main() -> None:
     # last collective can make the peer abort (seen once in 18 runs over the delay relay).
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _timed_allreduce(log: list):
+    """DDP's stock all-reduce hook, logging each bucket's (bytes, issue time, completion time)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):
+        nbytes, issued = bucket.buffer().numel() * bucket.buffer().element_size(), time.perf_counter()
+
+        def done(fut):
+            log.append([nbytes, issued, time.perf_counter()])
+            return fut.value()
+
+        return allreduce_hook(state, bucket).then(done)
+
+    return hook
 
 
 if __name__ == "__main__":

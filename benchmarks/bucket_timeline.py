@@ -1,0 +1,148 @@
+"""Where an emulated DDP step differs from the real one: per-phase and per-bucket times, real vs emulated (root only).
+
+The fidelity table says by how much an emulated iteration differs; this says where. On one
+2-node cluster of the table's kind (a network of ``fidelity_table.NETWORKS``), it runs a
+workload of ``examples/fidelity_models.py`` with ``--bucket-log`` (DDP's stock all-reduce hook,
+timed) as the real system and emulated, in interleaved rounds, and prints per system the
+medians of: the iteration, the forward (zero_grad to loss), each gradient bucket's issue time
+(from the end of the forward) and all-reduce time (issue to completion, as the step sees it),
+when all buckets are done after the first was issued, and the optimizer step. ``--env`` runs
+model mode again with a diagnostic switch set, for A/B runs (``--env NBOX_FOOTPRINT=0``).
+
+    sudo .venv/bin/python benchmarks/bucket_timeline.py --network 10Gbit-10us --arch mlp --rounds 3
+    sudo .venv/bin/python benchmarks/bucket_timeline.py --network 10Gbit-10us --arch mlp \\
+        --profile /tmp/p.json --modes model,wire --env NBOX_FOOTPRINT=0 --json /tmp/buckets.json
+
+Found with it (session 10, 10 Gbit/s MLP): the real second bucket is issued 0.5-0.8 ms after
+the first, model mode's 2.3-2.6 ms after (the footprint spends the first's CPU beside the
+backward), 0.5-0.8 with ``NBOX_FOOTPRINT=0``; the buckets end 3.7-5.5 ms after the first's issue
+in the real system, 5.0-5.4 in model mode: the iteration agrees for two errors that cancel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fidelity_table import NETWORKS, TOPOLOGY  # noqa: E402  (the table's clusters, the same cells)
+
+
+def phases(log: dict, warmup: int) -> dict[str, float]:
+    """Medians over one rank's measured steps: iteration, forward, each bucket's issue and time, all done, step."""
+    rows: dict[str, list[float]] = {}
+    buckets = sorted(log["buckets"], key=lambda b: b[1])
+    for t0, t1, t2, t3 in log["steps"][warmup:]:
+        mine = [b for b in buckets if t1 <= b[1] <= t2]
+        vals = {"iteration": t3 - t0, "forward": t1 - t0, "step": t3 - t2}
+        for i, (nbytes, issued, done) in enumerate(mine):
+            vals[f"bucket {i} issued"] = issued - t1
+            vals[f"bucket {i} all-reduce"] = done - issued
+        if mine:
+            vals["all done after the first issue"] = max(b[2] for b in mine) - mine[0][1]
+        for k, v in vals.items():
+            rows.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--network", default="10Gbit-10us", choices=list(NETWORKS))
+    p.add_argument("--arch", default="mlp", choices=["mlp", "cnn", "transformer"])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each system")
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--modes", default="model", help="emulated modes to run beside the real system: model, wire")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="also run model mode with this environment variable set (repeatable)")
+    p.add_argument("--profile", type=Path, help="a calibration profile for this network (default: calibrate first)")
+    p.add_argument("--json", type=Path, help="write every run's phases here")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        print("bucket_timeline: needs root (the real system runs in network namespaces)", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from neuronabox.cluster import runtime as rt
+    from neuronabox.fidelity.calibrate import default_sizes, parse_ops, parse_size_range, run_calibration, save_profile
+    from neuronabox.fidelity.validate import _run_emulated, launch_real, rank_cores, twin_ranks
+    from neuronabox.topology import load_topology
+
+    systems = ["real"] + [m.strip() for m in args.modes.split(",") if m.strip()] + [f"model {e}" for e in args.env]
+    bw, lat = NETWORKS[args.network]
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory(prefix="nbox-buckets-") as tmp:
+        tmpd = Path(tmp)
+        os.environ.setdefault("NBOX_STATE_DIR", str(tmpd / "state"))
+        topo_file = tmpd / "topology.yaml"
+        topo_file.write_text(TOPOLOGY.format(key=args.network.lower(), bw=bw, lat=lat, noise="true"))
+        topo = load_topology(topo_file)
+        name = f"bkt{os.getpid() % 10000}"
+        up = rt.up(topo, runtime="netns", name=name)
+        try:
+            profile = args.profile
+            if profile is None:
+                lo, hi = parse_size_range("4B:64MiB")
+                t0 = time.perf_counter()
+                prof = run_calibration(topo, parse_ops("all_reduce,broadcast"), default_sizes(lo, hi), cluster=name,
+                                       budget_s=4.0)
+                profile = tmpd / "profile.json"
+                save_profile(prof, profile)
+                print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+            core0 = rank_cores(topo.world_size)[0]
+            for rnd in range(args.rounds):
+                for system in systems:
+                    log = tmpd / f"{rnd}-{systems.index(system)}"
+                    cmd = [sys.executable, str(ROOT / "examples" / "fidelity_models.py"), "--arch", args.arch,
+                           "--steps", str(args.steps), "--bucket-log", str(log)]
+                    if system == "real":
+                        rc, _ = launch_real(name, topo, cmd, None, record_only=False)
+                    else:
+                        mode, _, env = system.partition(" ")
+                        key, _, value = env.partition("=")
+                        saved = os.environ.get(key) if key else None
+                        if key:
+                            os.environ[key] = value
+                        try:
+                            rc = _run_emulated(topo_file, cmd, mode, tmpd / "report.json", core0, name, None, profile,
+                                               tmpd / "emulated.log", 300.0, twins=twin_ranks(topo.world_size, 0))
+                        finally:
+                            if key and saved is None:
+                                del os.environ[key]
+                            elif key:
+                                os.environ[key] = saved
+                    got = Path(f"{log}.rank0.json")
+                    if rc != 0 or not got.exists():
+                        print(f"round {rnd + 1} {system}: failed (status {rc})", file=sys.stderr)
+                        continue
+                    runs[system].append(phases(json.loads(got.read_text()), args.warmup))
+                    it = runs[system][-1]["iteration"]
+                    print(f"round {rnd + 1} {system}: iteration {it * 1e3:.2f} ms", flush=True)
+        finally:
+            if not up.already_up:
+                rt.down(name)
+    keys = [k for k in (runs["real"][0] if runs["real"] else {})]
+    print(f"\n{args.network} {args.arch}: medians over the rounds of each run's medians "
+          "(ms; bucket issue times from the end of the forward)")
+    widths = [max(10, len(s) + 2) for s in systems]
+    print(f"{'':32}" + "".join(f"{s:>{w}}" for s, w in zip(systems, widths)))
+    for k in keys:
+        cells = [statistics.median(r[k] for r in runs[s] if k in r) * 1e3 if any(k in r for r in runs[s]) else None
+                 for s in systems]
+        print(f"{k:32}" + "".join(f"{c:{w}.2f}" if c is not None else f"{'-':>{w}}" for c, w in zip(cells, widths)))
+    if args.json:
+        args.json.write_text(json.dumps({"network": args.network, "arch": args.arch, "runs": runs}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
