@@ -36,6 +36,16 @@ def run_nbox(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     )
 
 
+def benchmark_module(name: str):
+    """The script ``benchmarks/<name>.py`` loaded as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture
 def tmp_yaml(tmp_path):
     """Write YAML text to a file and return its path."""

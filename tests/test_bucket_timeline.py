@@ -1,19 +1,15 @@
 """The bucket timeline diagnostic: the workload's per-bucket log, and the phases it is read into."""
 
-import importlib.util
 import json
 import sys
 
 import pytest
 
-from .conftest import ROOT, run_nbox
+from .conftest import ROOT, benchmark_module, run_nbox
 
 
 def bucket_timeline():
-    spec = importlib.util.spec_from_file_location("bucket_timeline", ROOT / "benchmarks" / "bucket_timeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("bucket_timeline")
 
 
 def test_phases_are_medians_per_step_with_buckets_in_issue_order():

@@ -1,17 +1,10 @@
 """The fidelity table's error interval: a bootstrap over whole runs, seeded."""
 
-import importlib.util
-
-import pytest
-
-from .conftest import ROOT
+from .conftest import benchmark_module
 
 
 def table():
-    spec = importlib.util.spec_from_file_location("fidelity_table", ROOT / "benchmarks" / "fidelity_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("fidelity_table")
 
 
 def test_the_interval_brackets_the_error_and_widens_with_the_run_to_run_noise():
