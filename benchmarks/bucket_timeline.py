@@ -7,7 +7,8 @@ timed) as the real system and emulated, in interleaved rounds, and prints per sy
 medians of: the iteration, the forward (zero_grad to loss), each gradient bucket's issue time
 (from the end of the forward) and all-reduce time (issue to completion, as the step sees it),
 when all buckets are done after the first was issued, and the optimizer step. ``--env`` runs
-model mode again with a diagnostic switch set, for A/B runs (``--env NBOX_FOOTPRINT=0``).
+model mode (or the mode it names) again with a diagnostic switch set, for A/B runs
+(``--env NBOX_FOOTPRINT=0``, ``--env wire:NAME=VALUE``).
 
     sudo .venv/bin/python benchmarks/bucket_timeline.py --network 10Gbit-10us --arch mlp --rounds 3
     sudo .venv/bin/python benchmarks/bucket_timeline.py --network 10Gbit-10us --arch mlp \\
@@ -63,8 +64,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--modes", default="model", help="emulated modes to run beside the real system: model, wire")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="also run model mode with this environment variable set (repeatable)")
+    p.add_argument("--env", action="append", default=[], metavar="[MODE:]NAME=VALUE",
+                   help="also run model mode (or MODE) with this environment variable set (repeatable)")
     p.add_argument("--profile", type=Path, help="a calibration profile for this network (default: calibrate first)")
     p.add_argument("--json", type=Path, help="write every run's phases here")
     args = p.parse_args()
@@ -77,7 +78,8 @@ def main() -> int:
     from neuronabox.fidelity.validate import _run_emulated, launch_real, rank_cores, twin_ranks
     from neuronabox.topology import load_topology
 
-    systems = ["real"] + [m.strip() for m in args.modes.split(",") if m.strip()] + [f"model {e}" for e in args.env]
+    systems = ["real"] + [m.strip() for m in args.modes.split(",") if m.strip()]
+    systems += [e.replace(":", " ", 1) if ":" in e.split("=", 1)[0] else f"model {e}" for e in args.env]
     bw, lat = NETWORKS[args.network]
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory(prefix="nbox-buckets-") as tmp:
