@@ -31,12 +31,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity_table import NETWORKS, TOPOLOGY  # noqa: E402  (the table's clusters, the same cells)
+from fidelity_table import NETWORKS, TOPOLOGY, calibrate  # noqa: E402  (the table's clusters and calibration)
 
 
 def phases(log: dict, warmup: int) -> dict[str, float]:
@@ -74,12 +75,17 @@ def main() -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from neuronabox.cluster import runtime as rt
-    from neuronabox.fidelity.calibrate import default_sizes, parse_ops, parse_size_range, run_calibration, save_profile
+    from neuronabox.fidelity.calibrate import save_profile
     from neuronabox.fidelity.validate import _run_emulated, launch_real, rank_cores, twin_ranks
     from neuronabox.topology import load_topology
 
-    systems = ["real"] + [m.strip() for m in args.modes.split(",") if m.strip()]
-    systems += [e.replace(":", " ", 1) if ":" in e.split("=", 1)[0] else f"model {e}" for e in args.env]
+    # (label, mode, environment it adds): the real system, each mode, each --env run.
+    runners = [("real", "real", {})] + [(m, m, {}) for m in (m.strip() for m in args.modes.split(",")) if m]
+    for e in args.env:
+        mode, _, kv = e.partition(":") if ":" in e.split("=", 1)[0] else ("model", "", e)
+        key, _, value = kv.partition("=")
+        runners.append((f"{mode} {kv}", mode, {key: value}))
+    systems = [label for label, _, _ in runners]
     bw, lat = NETWORKS[args.network]
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory(prefix="nbox-buckets-") as tmp:
@@ -93,35 +99,22 @@ def main() -> int:
         try:
             profile = args.profile
             if profile is None:
-                lo, hi = parse_size_range("4B:64MiB")
                 t0 = time.perf_counter()
-                prof = run_calibration(topo, parse_ops("all_reduce,broadcast"), default_sizes(lo, hi), cluster=name,
-                                       budget_s=4.0)
                 profile = tmpd / "profile.json"
-                save_profile(prof, profile)
+                save_profile(calibrate(topo, name), profile)
                 print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
             core0 = rank_cores(topo.world_size)[0]
             for rnd in range(args.rounds):
-                for system in systems:
-                    log = tmpd / f"{rnd}-{systems.index(system)}"
+                for i, (system, mode, env) in enumerate(runners):
+                    log = tmpd / f"{rnd}-{i}"
                     cmd = [sys.executable, str(ROOT / "examples" / "fidelity_models.py"), "--arch", args.arch,
                            "--steps", str(args.steps), "--bucket-log", str(log)]
-                    if system == "real":
+                    if mode == "real":
                         rc, _ = launch_real(name, topo, cmd, None, record_only=False)
                     else:
-                        mode, _, env = system.partition(" ")
-                        key, _, value = env.partition("=")
-                        saved = os.environ.get(key) if key else None
-                        if key:
-                            os.environ[key] = value
-                        try:
+                        with mock.patch.dict(os.environ, env):  # the emulated run and its twin inherit it
                             rc = _run_emulated(topo_file, cmd, mode, tmpd / "report.json", core0, name, None, profile,
                                                tmpd / "emulated.log", 300.0, twins=twin_ranks(topo.world_size, 0))
-                        finally:
-                            if key and saved is None:
-                                del os.environ[key]
-                            elif key:
-                                os.environ[key] = saved
                     got = Path(f"{log}.rank0.json")
                     if rc != 0 or not got.exists():
                         print(f"round {rnd + 1} {system}: failed (status {rc})", file=sys.stderr)
@@ -132,7 +125,7 @@ def main() -> int:
         finally:
             if not up.already_up:
                 rt.down(name)
-    keys = [k for k in (runs["real"][0] if runs["real"] else {})]
+    keys = list(runs["real"][0]) if runs["real"] else []
     print(f"\n{args.network} {args.arch}: medians over the rounds of each run's medians "
           "(ms; bucket issue times from the end of the forward)")
     widths = [max(10, len(s) + 2) for s in systems]

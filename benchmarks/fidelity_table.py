@@ -49,6 +49,8 @@ NETWORKS = {
     "10Gbit-10us": ("10Gbps", "10us"),
 }
 MODELS = ("mlp", "cnn", "transformer")
+CALIBRATE_SIZES = "4B:64MiB"
+CALIBRATE_BUDGET_S = 4.0
 TOPOLOGY = """name: fid-{key}
 description: 2 CPU nodes, one rank each, one {bw} link with {lat} one-way latency (the paper's 2-node setting)
 cluster: {{nodes: 2, ranks_per_node: 1, device: cpu}}
@@ -65,8 +67,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30, help="training steps per run")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of each run")
     p.add_argument("--modes", default="model,wire")
-    p.add_argument("--calibrate-sizes", default="4B:64MiB")
-    p.add_argument("--calibrate-budget", type=float, default=4.0,
+    p.add_argument("--calibrate-sizes", default=CALIBRATE_SIZES)
+    p.add_argument("--calibrate-budget", type=float, default=CALIBRATE_BUDGET_S,
                    help="seconds of samples per size (nbox calibrate --budget): DDP's bucket sizes are noisy at 100 Mbit/s "
                         "(0.6 s, 3 samples of a 2 MiB all-reduce: the fitted bandwidth moved 4%% between calibrations; "
                         "2 s, 10 samples: 2%%, and the 2 MiB point itself 192-204 ms; 4 s: 20 samples)")
@@ -96,14 +98,7 @@ def main() -> int:
     # SIGTERM (timeout, kill) as an exit, so the finally below takes each cluster down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from neuronabox.cluster import runtime as rt
-    from neuronabox.fidelity.calibrate import (
-        default_sizes,
-        parse_ops,
-        parse_size_range,
-        run_calibration,
-        save_profile,
-        write_profile_field,
-    )
+    from neuronabox.fidelity.calibrate import save_profile, write_profile_field
     from neuronabox.emu.footprint import interference
     from neuronabox.fidelity.validate import run_validation
     from neuronabox.topology import load_topology
@@ -126,9 +121,7 @@ def main() -> int:
             up = rt.up(topo, runtime="netns", name=name)
             try:
                 t0 = time.perf_counter()
-                lo, hi = parse_size_range(args.calibrate_sizes)
-                profile = run_calibration(topo, parse_ops("all_reduce,broadcast"), default_sizes(lo, hi), cluster=name,
-                                          budget_s=args.calibrate_budget)
+                profile = calibrate(topo, name, args.calibrate_sizes, args.calibrate_budget)
                 prof_file = tmpd / f"{key}.profile.json"
                 save_profile(profile, prof_file)
                 # The workflow a user follows: the topology names its profile (model calibrated by default).
@@ -177,6 +170,15 @@ def main() -> int:
     command = "python benchmarks/fidelity_table.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write(args, rows, modes, command.strip(), time.perf_counter() - t_all, _machine(load_before, os.getloadavg()))
     return 0
+
+
+def calibrate(topo, cluster: str, sizes: str = CALIBRATE_SIZES, budget_s: float = CALIBRATE_BUDGET_S) -> dict:
+    """A cell's profile: ``nbox calibrate`` of gloo's all-reduce and broadcast (what DDP uses) on its cluster."""
+    from neuronabox.fidelity.calibrate import default_sizes, parse_ops, parse_size_range, run_calibration
+
+    lo, hi = parse_size_range(sizes)
+    return run_calibration(topo, parse_ops("all_reduce,broadcast"), default_sizes(lo, hi), cluster=cluster,
+                           budget_s=budget_s)
 
 
 def _machine(load_before, load_after) -> dict:
