@@ -151,7 +151,7 @@ def main() -> int:
                                            "lost_compute_s": bp.get("lost_compute_s"),
                                            "interference": interference(profile),
                                            "concurrency": {k: v for k, v in (profile.get("concurrency") or {}).items()
-                                                           if k in ("size", "single_s", "pair_s", "sec_per_byte")} or None,
+                                                           if k in ("size", "single_s", "pair_s", "sec_per_byte", "points")} or None,
                                            "cpu_cost": {k: v for k, v in cost.items()
                                                         if k in ("per_op_s", "per_byte_s", "process_per_byte_s")},
                                            "spin_stall": [{k: c[k] for k in ("size", "gap_s", "spun", "median_excess_s",

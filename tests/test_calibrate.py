@@ -248,3 +248,28 @@ def test_the_link_time_of_two_ops_at_once_comes_from_the_profile(tmp_path):
     assert m.link_time(Op.ALL_REDUCE, 1 << 20, (0, 1, 2, 3)) == pytest.approx((1 << 20) * 1e-8 * 1.5)
     assert m.link_time(Op.BROADCAST, 1 << 20, (0, 1)) == pytest.approx((1 << 20) * 1e-8)
     assert m.link_time(Op.ALL_REDUCE, 1 << 20, (0,)) is None
+
+
+def test_the_link_share_of_two_ops_at_once_depends_on_their_size(tmp_path):
+    from neuronabox.model.calibrated import CalibratedModel, pair_sec_per_byte
+
+    # Measured at 10 Gbit/s: small ops' per-op CPU does not overlap, so their bytes hold the
+    # link longer per byte than two 64 MiB ops' do.
+    pair = {"ranks": 2, "sec_per_byte": 1.4e-9,
+            "points": [{"size": 1 << 20, "sec_per_byte": 2.0e-9}, {"size": 4 << 20, "sec_per_byte": 1.6e-9},
+                       {"size": 64 << 20, "sec_per_byte": 1.4e-9}]}
+    assert pair_sec_per_byte(pair, 1 << 20) == pytest.approx(2.0e-9)
+    assert pair_sec_per_byte(pair, 2 << 20) == pytest.approx(1.8e-9)  # halfway in log size
+    assert pair_sec_per_byte(pair, 256 << 10) == pytest.approx(2.0e-9)  # below the smallest: the smallest's
+    assert pair_sec_per_byte(pair, 1 << 30) == pytest.approx(1.4e-9)
+    assert pair_sec_per_byte({"sec_per_byte": 3e-9}, 1 << 20) == 3e-9  # a profile from before: one figure
+    path, _ = synthetic_profile(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["concurrency"] = pair
+    path.write_text(json.dumps(doc))
+    t = topo("cluster: {nodes: 4}\nnetwork: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}\n"
+             "emulation: {library: gloo}\n")
+    m = CalibratedModel(t, profile=path)
+    assert m.link_time(Op.ALL_REDUCE, 1 << 20, (0, 1)) == pytest.approx((1 << 20) * 2.0e-9)
+    # a broadcast of 2 MiB moves the wire bytes of a 2 MiB all-reduce (n = 2): looked up there
+    assert m.link_time(Op.BROADCAST, 2 << 20, (0, 1)) == pytest.approx((2 << 20) * 1.8e-9)

@@ -68,8 +68,12 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     # faster than the link (frames counted: payload is 1448 of every 1514 bytes)
     pair = doc["concurrency"]
     assert pair["ranks"] == 2 and len(pair["pair_samples"]) == 21 and "two at once:" in r.stdout
+    assert "one after the other, by size:" in r.stdout
     assert pair["pair_s"] <= 2.2 * pair["single_s"]
     assert 1 / pair["sec_per_byte"] <= 1.05 * rate * 1448 / 1514
+    # and at DDP's bucket sizes below that one, smallest first, the main size last
+    sizes = [pt["size"] for pt in pair["points"]]
+    assert sizes == sorted(sizes) and sizes[-1] == pair["size"] and all(pt["pair_s"] > 0 for pt in pair["points"])
     # ops issued after compute: per size and gap, samples of (wall excess, CPU excess per rank)
     stall = doc["spin_stall"]
     assert stall["ranks"] == 2 and {c["gap_s"] for c in stall["cells"]} == {0.002, 0.006, 0.02}

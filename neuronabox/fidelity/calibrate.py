@@ -492,6 +492,10 @@ def write_profile_field(topology_file: Path, profile: Path) -> str:
 
 
 # ---- measuring -------------------------------------------------------------------------------------------
+# Sizes below the main one at which two all-reduces at once are also timed: DDP's buckets.
+PAIR_SIZES = (256 << 10, 1 << 20, 4 << 20)
+
+
 @dataclass
 class WorkerPlan:
     """What every calibration rank runs (written to a JSON file that all ranks read)."""
@@ -902,35 +906,46 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
 
 
 def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
-    """Link time per byte of all-reduce when two run at once (gloo runs two ops of a group together).
+    """Link time per byte of all-reduce when two run at once (gloo runs two ops of a group together), by size.
 
     One all-reduce leaves the link idle part of its time (the ring waits on each step's
     reduction and round trip); a second op in flight fills it. Measured at 100 Mbit/s, 1 ms: a
     2.1 MB all-reduce alone 193 ms, with a 0.37 MB one issued 36 ms in 214 ms together where
     one after the other is 228. Two all-reduces of S bytes started together take ``T2``; their
     bytes share the link, so its time per byte is ``(T2 - t(4 B)) / 2S`` (the latency once).
-    S is the smallest measured size that takes ``busy_target_s`` x 3 (long enough that the
-    link, not the start, dominates). Single and pair samples alternate; medians.
+    The main S is the smallest measured size that takes ``busy_target_s`` x 3 (long enough that
+    the link, not the start, dominates); ``points`` adds DDP's bucket sizes below it, where the
+    share differs: at 10 Gbit/s two 64 MiB ops read 1.4 ns/B, a 1 MiB and a 0.5 MiB one 2.9-4.0
+    ms together against 3.3-4.6 one after the other (0.9 of serial, where the 64 MiB figure lets
+    the model overlap a third of each). Single and pair samples alternate; medians.
     """
+    main = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
+    latency = rows[0]["time_s"]
+    points = [_pair_point(size, plan.pair_repeats, latency, decide)
+              for size in sorted({s for s in PAIR_SIZES if s < main} | {main})]
+    top = points[-1]
+    return {**top, "ranks": n, "points": [{k: v for k, v in pt.items() if not k.endswith("_samples")} for pt in points]}
+
+
+def _pair_point(size: int, repeats: int, latency: float, decide) -> dict:
+    """One size of ``_concurrency``: one all-reduce alone and two at once, alternating."""
     import torch
     import torch.distributed as dist
 
-    size = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
     a, b = torch.ones(max(1, size // 4)), torch.ones(max(1, size // 4))
-    single, pair = [], []
     dist.all_reduce(a)
 
     def two() -> None:
         for w in [dist.all_reduce(x, async_op=True) for x in (a, b)]:
             w.wait()
 
-    for _ in range(plan.pair_repeats):
+    single, pair = [], []
+    for _ in range(repeats):
         single.append(_timed(lambda: dist.all_reduce(a), decide))
         pair.append(_timed(two, decide))
-    latency = rows[0]["time_s"]
     t1, t2 = statistics.median(single), statistics.median(pair)
-    size = a.numel() * 4
-    return {"size": size, "ranks": n, "single_s": t1, "pair_s": t2, "sec_per_byte": max(t2 - latency, 0.0) / (2 * size),
+    nbytes = a.numel() * 4
+    return {"size": nbytes, "single_s": t1, "pair_s": t2, "sec_per_byte": max(t2 - latency, 0.0) / (2 * nbytes),
             "single_samples": single, "pair_samples": pair}
 
 

@@ -100,7 +100,9 @@ class CalibratedModel(CommModel):
         f_op = ring_terms(op, group.size)[1]
         if not f_ref or not f_op:
             return None
-        return c["sec_per_byte"] * nbytes * f_op / f_ref / self.bandwidth_scale
+        # The all-reduce whose wire bytes are this op's: the size its share is looked up at.
+        equiv = nbytes * f_op / f_ref
+        return pair_sec_per_byte(c, equiv) * equiv / self.bandwidth_scale
 
     def _alpha_beta(self):
         if self._fallback is None:
@@ -146,6 +148,22 @@ class CalibratedModel(CommModel):
             t = big_l * seg.alpha_s * self.latency_scale + (0.0 if math.isinf(bw) else big_f * nbytes / bw)
         index = fit.segments.index(seg)
         return Estimate(max(t, 0.0), f"{label} s{index}")
+
+
+def pair_sec_per_byte(concurrency: dict, nbytes: float) -> float:
+    """Link seconds per byte of all-reduce with two at once, at ``nbytes``: between measured sizes by log size, the nearest beyond them."""
+    pts = sorted((float(p["size"]), float(p["sec_per_byte"])) for p in concurrency.get("points") or [] if p.get("size"))
+    if not pts:  # a profile from before the sizes were measured: one figure
+        return float(concurrency["sec_per_byte"])
+    sizes = [s for s, _ in pts]
+    if nbytes <= sizes[0]:
+        return pts[0][1]
+    if nbytes >= sizes[-1]:
+        return pts[-1][1]
+    i = bisect.bisect_right(sizes, nbytes)
+    (s0, v0), (s1, v1) = pts[i - 1], pts[i]
+    w = math.log(nbytes / s0) / math.log(s1 / s0)
+    return v0 + (v1 - v0) * w
 
 
 def with_profile(topology, profile: str | Path | None, model: str | None = None, flag: str = "--profile"):
