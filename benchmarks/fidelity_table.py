@@ -202,23 +202,6 @@ def _pct(v, sign: bool = True) -> str:
     return "-" if v is None else (f"{v * 100:+.2f}%" if sign else f"{v * 100:.2f}%")
 
 
-def error_interval(real_runs: list[float], emu_runs: list[float], draws: int = 2000, seed: int = 1) -> tuple[float, float] | None:
-    """95% bootstrap interval of the emulated/real error, resampling whole runs (their medians) of each system.
-
-    Whole runs, because iterations of one run are not independent (a slow run is slow
-    throughout). Seeded: rendering the same JSON twice gives the same table.
-    """
-    import random
-    import statistics
-
-    if len(real_runs) < 2 or len(emu_runs) < 2:
-        return None
-    rng = random.Random(seed)
-    errs = sorted(statistics.median(rng.choices(emu_runs, k=len(emu_runs)))
-                  / statistics.median(rng.choices(real_runs, k=len(real_runs))) - 1 for _ in range(draws))
-    return errs[int(0.025 * draws)], errs[int(0.975 * draws) - 1]
-
-
 def _error_cell(m: dict, real_runs: list[float] | None = None) -> str:
     """Error of the median, marked when it is within the real system's own spread, with its run-bootstrap interval."""
     if not m.get("available", True):
@@ -226,6 +209,8 @@ def _error_cell(m: dict, real_runs: list[float] | None = None) -> str:
     if m.get("failed") or m.get("median_s") is None:
         return f"failed: {m.get('failed') or 'a run did not finish'}"
     cell = _pct(m.get("error")) + (" ≈" if "within the real spread" in (m.get("verdict") or "") else "")
+    from neuronabox.stats import error_interval
+
     ci = error_interval(real_runs or [], m.get("run_medians_s") or [])
     return cell + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else "")
 

@@ -41,16 +41,19 @@ def test_errors_verdicts_and_spread():
     assert real.run_medians_s == [0.100, 0.104]
     assert spread == pytest.approx(0.004 / 0.102)
     assert model.error == pytest.approx((0.102 - 0.103) / 0.103)
-    assert model.verdict == "pass (within the real spread)"
-    assert wire.verdict == "FAIL" and wire.error > 0.15
+    # two runs a side cannot tell -1 % from +-1 %: the gate follows the median, the verdict says so
+    lo, hi = model.interval
+    assert lo <= model.error <= hi and (lo < -0.01 or hi > 0.01)
+    assert model.verdict == "pass (within the real spread; undecided)"
+    assert wire.verdict == "FAIL" and wire.error > 0.15 and wire.interval[0] > 0.01  # decided: every resample fails
     assert off.verdict == "not available" and off.error is None
     v = val.Validation("t.yaml", ["python"], 2, 1, 2, 0.01, real, [model, wire, off], spread)
     assert not v.passed
     rows = error_table(v)
-    assert rows[0][:4] == ["system", "median (ms)", "p95 (ms)", "error of median"]
-    assert rows[1][0] == "real" and rows[1][4] == f"{spread * 100:.2f}%"
-    assert rows[3][3].startswith("+") and rows[3][5] == "FAIL"
-    assert rows[4][5].startswith("not available")
+    assert rows[0][:5] == ["system", "median (ms)", "p95 (ms)", "error of median", "95% interval"]
+    assert rows[1][0] == "real" and rows[1][5] == f"{spread * 100:.2f}%"
+    assert rows[3][3].startswith("+") and rows[3][4].startswith("+") and rows[3][6] == "FAIL"
+    assert rows[4][6].startswith("not available")
     d = v.as_dict()
     assert d["passed"] is False and d["modes"][0]["mode"] == "model"
     json.dumps(d)
@@ -65,14 +68,23 @@ def test_a_mode_whose_runs_failed_fails_the_validation_but_keeps_its_row():
     compare(real, [model, wire], 0.5)
     v = val.Validation("t.yaml", ["python"], 2, 1, 1, 0.5, real, [model, wire], None)
     assert model.verdict == "pass" and wire.verdict.startswith("FAIL: nbox run failed")
-    assert not v.passed and error_table(v)[3][5].endswith("boom")
+    assert not v.passed and error_table(v)[3][6].endswith("boom")
+
+
+def test_enough_runs_decide_a_small_error():
+    # Ten quiet runs a side: a +0.5 % error is a pass the runs can tell from a 1 % one.
+    real = ModeResult("real", runs=[[0.100 + 0.0001 * (i % 3)] * 3 for i in range(10)])
+    m = ModeResult("model", runs=[[0.1005 + 0.0001 * (i % 3)] * 3 for i in range(10)])
+    compare(real, [m], 0.01)
+    assert m.verdict.startswith("pass") and "undecided" not in m.verdict
+    assert -0.01 < m.interval[0] <= m.error <= m.interval[1] < 0.01
 
 
 def test_one_run_has_no_spread():
     real = ModeResult("real", runs=[[0.1, 0.1]])
     m = ModeResult("model", runs=[[0.1, 0.1]])
     assert compare(real, [m], 0.0) is None
-    assert m.error == 0.0 and m.verdict == "pass"
+    assert m.error == 0.0 and m.verdict == "pass" and m.interval is None
 
 
 def test_wire_availability_follows_nbox_run(monkeypatch):

@@ -89,7 +89,7 @@ def validate(
 
     from rich.table import Table
 
-    from ..fidelity.validate import error_table, parse_modes, parse_tolerance, run_validation
+    from ..fidelity.validate import UNDECIDED, UNDECIDED_WHY, error_table, parse_modes, parse_tolerance, run_validation
 
     tol = parse_tolerance(tolerance)
     mode_list = parse_modes(modes)
@@ -105,10 +105,12 @@ def validate(
     t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "
                     f"model {v.model}{twin_note}, tolerance {v.tolerance:.2%}", title_justify="left")
     for i, col in enumerate(rows[0]):
-        t.add_column(col, justify="left" if i in (0, 5) else "right")
+        t.add_column(col, justify="left" if i in (0, len(rows[0]) - 1) else "right")
     for r in rows[1:]:
         t.add_row(*r)
     console.print(t)
+    if any(UNDECIDED in m.verdict for m in v.modes):
+        console.print(UNDECIDED_WHY)
     if json_out:
         json_out.write_text(json.dumps(v.as_dict(), indent=2) + "\n", encoding="utf-8")
         console.print(f"wrote {json_out}")

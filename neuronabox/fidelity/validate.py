@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import InputError
-from ..stats import percentile
+from ..stats import error_interval, percentile
 
 __all__ = [
     "MODES",
@@ -368,6 +368,7 @@ class ModeResult:
     p95_s: float | None = None
     run_medians_s: list[float] = field(default_factory=list)
     error: float | None = None  # (median - real median) / real median
+    interval: tuple[float, float] | None = None  # the error's 95% bootstrap interval over whole runs
     verdict: str = ""
     failed: str = ""  # why its runs did not finish (the mode then fails the validation)
 
@@ -402,6 +403,11 @@ class Validation:
         return d
 
 
+# A verdict's note where the error's interval crosses the tolerance (UNDECIDED_WHY says it in full).
+UNDECIDED = "undecided"
+UNDECIDED_WHY = "undecided: the error's 95% interval crosses the tolerance; more --repeats narrow it"
+
+
 def _fill(m: ModeResult) -> None:
     pooled = [t for run in m.runs for t in run]
     if pooled:
@@ -428,10 +434,16 @@ def compare(real: ModeResult, modes: Sequence[ModeResult], tolerance: float) -> 
             m.verdict = "no data"
             continue
         m.error = (m.median_s - real.median_s) / real.median_s
+        m.interval = error_interval(real.run_medians_s, m.run_medians_s)
         ok = abs(m.error) <= tolerance
-        m.verdict = "pass" if ok else "FAIL"
+        notes = []
         if spread is not None and abs(m.error) <= spread:
-            m.verdict += " (within the real spread)"
+            notes.append("within the real spread")
+        lo, hi = m.interval or (m.error, m.error)
+        if (lo < -tolerance or hi > tolerance) and lo <= tolerance and hi >= -tolerance:
+            # The gate still follows the median; this says whether more runs could change it.
+            notes.append(UNDECIDED)
+        m.verdict = ("pass" if ok else "FAIL") + (f" ({'; '.join(notes)})" if notes else "")
     return spread
 
 
@@ -596,14 +608,15 @@ def _pct(v: float | None) -> str:
 
 def error_table(v: Validation) -> list[list[str]]:
     """The error table as rows of text: a header, the real system, then one row per mode."""
-    rows = [["system", "median (ms)", "p95 (ms)", "error of median", "real spread", "verdict"]]
+    rows = [["system", "median (ms)", "p95 (ms)", "error of median", "95% interval", "real spread", "verdict"]]
     spread = "-" if v.real_spread is None else f"{v.real_spread * 100:.2f}%"
-    rows.append(["real", _ms(v.real.median_s), _ms(v.real.p95_s), "", spread, f"{len(v.real.runs)} runs"])
+    rows.append(["real", _ms(v.real.median_s), _ms(v.real.p95_s), "", "", spread, f"{len(v.real.runs)} runs"])
     for m in v.modes:
         if not m.available:
-            rows.append([m.mode, "-", "-", "-", spread, f"not available: {m.why}"])
+            rows.append([m.mode, "-", "-", "-", "-", spread, f"not available: {m.why}"])
         elif m.failed:
-            rows.append([m.mode, "-", "-", "-", spread, m.verdict])
+            rows.append([m.mode, "-", "-", "-", "-", spread, m.verdict])
         else:
-            rows.append([m.mode, _ms(m.median_s), _ms(m.p95_s), _pct(m.error), spread, m.verdict])
+            ci = "-" if m.interval is None else f"{m.interval[0] * 100:+.1f}..{m.interval[1] * 100:+.1f}%"
+            rows.append([m.mode, _ms(m.median_s), _ms(m.p95_s), _pct(m.error), ci, spread, m.verdict])
     return rows
