@@ -298,6 +298,9 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         if pair:
             parts.append(f"two at once: {pair['size'] >> 10} KiB all-reduce {pair['single_s'] * 1e3:.1f} ms alone, "
                          f"{pair['pair_s'] * 1e3:.1f} ms for two")
+            if len(pair.get("points") or []) > 1:
+                parts[-1] += "; two at once over one after the other: " + ", ".join(
+                    f"{format_size(pt['size'])} {pt['pair_s'] / (2 * pt['single_s']):.2f}" for pt in pair["points"])
         lines.append(f"- {r['network']}: " + "; ".join(parts) + ".")
     if args.quick:
         lines += ["", "**Smoke run (`--quick`): these figures show the script works, they are not a fidelity "
