@@ -273,3 +273,63 @@ def test_the_link_share_of_two_ops_at_once_depends_on_their_size(tmp_path):
     assert m.link_time(Op.ALL_REDUCE, 1 << 20, (0, 1)) == pytest.approx((1 << 20) * 2.0e-9)
     # a broadcast of 2 MiB moves the wire bytes of a 2 MiB all-reduce (n = 2): looked up there
     assert m.link_time(Op.BROADCAST, 2 << 20, (0, 1)) == pytest.approx((2 << 20) * 1.8e-9)
+
+
+# ---- the intra-node part ---------------------------------------------------------------------------------
+def test_the_intra_node_part_measures_one_node_here_and_joins_the_profile(tmp_path):
+    from neuronabox.model.calibrated import CalibratedModel
+    from neuronabox.topology import load_topology
+
+    from .conftest import run_nbox
+
+    # Two CPU ranks of one node: no namespaces, no root; the node's own fabric (loopback here).
+    f = tmp_path / "node.yaml"
+    f.write_text("name: node2\ncluster: {nodes: 2, ranks_per_node: 2}\n"
+                 "network: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}\nemulation: {library: gloo}\n")
+    t = load_topology(f)
+    path, fits = synthetic_profile(tmp_path, t)  # the network part, measured before: kept
+    r = run_nbox("calibrate", str(f), "--part", "intra-node", "--ops", "all_reduce,broadcast", "--sizes", "4B:64KiB",
+                 "--budget", "20ms", "--profile", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "intra-node: 2 ranks of one cpu node on this machine, gloo" in r.stdout
+    doc = json.loads(path.read_text())
+    intra = doc["intra_node"]
+    assert intra["ranks"] == 2 and intra["library"]["name"] == "gloo" and set(intra["ops"]) == {"all_reduce", "broadcast"}
+    assert set(doc["ops"]) == set(fits)  # the network part is still there
+    rows = intra["measurements"]["all_reduce"]
+    assert [row["size"] for row in rows] == default_sizes(4, 64 << 10) and all(row["time_s"] > 0 for row in rows)
+    m = CalibratedModel(t, profile=path)
+    # inside a node: the measured points; across nodes: the network fit, as before
+    e = m.estimate(Op.ALL_REDUCE, rows[3]["size"], (0, 1))
+    assert e.algorithm == "calibrated intra-node measured" and e.duration == pytest.approx(rows[3]["time_s"])
+    assert m.estimate(Op.ALL_REDUCE, 1 << 20, (0, 2)).algorithm.startswith("calibrated ")
+    assert "intra-node" not in m.estimate(Op.ALL_REDUCE, 1 << 20, (0, 2)).algorithm
+    # a profile of the intra-node part alone answers inside a node and leaves the rest to alpha-beta
+    alone = tmp_path / "alone.json"
+    r = run_nbox("calibrate", str(f), "--part", "intra-node", "--ops", "all_reduce", "--sizes", "4B:4KiB",
+                 "--budget", "10ms", "--profile", str(alone))
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = CalibratedModel(t, profile=alone)
+    assert m.estimate(Op.ALL_REDUCE, 1024, (0, 1)).algorithm.startswith("calibrated intra-node")
+    assert not m.estimate(Op.ALL_REDUCE, 1024, (0, 2)).algorithm.startswith("calibrated")
+
+
+def test_calibrate_says_what_this_machine_cannot_measure(tmp_path):
+    import torch
+
+    from .conftest import run_nbox
+
+    one = tmp_path / "one.yaml"
+    one.write_text("cluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}\n")
+    r = run_nbox("calibrate", str(one), "--part", "intra-node")
+    assert r.returncode == 2 and "cluster.ranks_per_node: 1: no intra-node part" in r.stderr
+    r = run_nbox("calibrate", str(one), "--part", "nodes")
+    assert r.returncode == 2 and "--part: network, intra-node or all" in r.stderr
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs for NCCL: the error below does not apply")
+    gpu = tmp_path / "gpu.yaml"
+    gpu.write_text("cluster: {nodes: 2, device: H100}\nnetwork: {type: ring, link: {bandwidth: 100Gbps, latency: 5us}}\n"
+                   "emulation: {library: nccl}\n")
+    r = run_nbox("calibrate", str(gpu))
+    assert r.returncode == 2 and "emulation.library: nccl" in r.stderr and "GPUs here" in r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "gpu.profile.json").exists()  # one line, nothing written

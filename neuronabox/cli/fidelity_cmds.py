@@ -130,17 +130,25 @@ def calibrate(
     budget: str = typer.Option("150ms", "--budget", help="Measuring time per size (at least 3 samples)."),
     write_topology: bool = typer.Option(
         False, "--write-topology", help="Set emulation.profile in the topology file to the new profile (other lines kept)."),
+    part: str = typer.Option(
+        "network", "--part", help="network (the ranks of every node over the shaped links), intra-node (the ranks of one "
+                                  "node over this machine's own fabric, added to the profile) or all."),
 ) -> None:
     """Measure the collectives on the real shaped links and fit a piecewise alpha-beta profile (model `calibrated`)."""
+    import json
+
     from rich.table import Table
 
     from ..fidelity.calibrate import (
         default_sizes,
         load_for_calibration,
+        load_profile,
+        make_profile,
         parse_ops,
         parse_size_range,
         profile_reference,
         run_calibration,
+        run_intra_node,
         save_profile,
         write_profile_field,
     )
@@ -152,24 +160,34 @@ def calibrate(
         max_op_s, budget_s = parse_duration(max_op_time), parse_duration(budget)
     except UnitError as exc:
         raise InputError(f"--max-op-time/--budget: {exc}") from None
+    if part not in ("network", "intra-node", "all"):
+        raise InputError(f"--part: network, intra-node or all, got {part!r}")
     topo, default_out, named = load_for_calibration(topology)
     out = profile or default_out
-    doc = run_calibration(topo, op_list, default_sizes(lo, hi, step), max_op_s=max_op_s, budget_s=budget_s,
-                          progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    say = lambda m: console.print(f"[dim]{m}[/dim]")  # noqa: E731
+    sizes_list = default_sizes(lo, hi, step)
+    intra = None
+    if part in ("network", "all"):
+        doc = run_calibration(topo, op_list, sizes_list, max_op_s=max_op_s, budget_s=budget_s, progress=say)
+    elif out.exists():
+        doc = json.loads(out.read_text(encoding="utf-8"))  # the network part measured before: kept
+        load_profile(out)  # a clear error for a file that is no profile
+    else:
+        doc = make_profile(topo, {}, {}, {}, {"seconds": 0.0})
+    if part == "all" and topo.nodes[0].ranks < 2:
+        say("intra-node: one rank per node, nothing to measure")
+    elif part in ("intra-node", "all"):
+        intra = doc["intra_node"] = run_intra_node(topo, op_list, sizes_list, max_op_s=max_op_s, budget_s=budget_s,
+                                                   progress=say)
     save_profile(doc, out)
-    t = Table(title=f"nbox calibrate: {topo.name} ({topology}), {doc['ranks']} ranks, gloo (torch {doc['library']['torch']}), "
-                    f"{doc['meta']['seconds']:.0f} s", title_justify="left")
-    for col in ("op", "sizes", "segment", "alpha", "bus bandwidth", "rms error"):
-        t.add_column(col, justify="left" if col in ("op", "segment") else "right")
-    for name, fit in doc["ops"].items():
-        meas = doc["measurements"][name]
-        for i, s in enumerate(fit["segments"]):
-            hi_s = "∞" if s["hi"] is None else format_size(s["hi"])
-            bw = "-" if s["bandwidth_Bps"] is None else f"{s['bandwidth_Bps'] * 8 / 1e6:.1f} Mbit/s"
-            t.add_row(name if i == 0 else "", f"{format_size(meas[0]['size'])}-{format_size(meas[-1]['size'])}" if i == 0 else "",
-                      f"[{format_size(s['lo'])}, {hi_s})", format_duration(s["alpha_s"]), bw,
-                      f"{fit['rms_rel_error']:.1%}" if i == 0 else "")
-    console.print(t)
+    if part != "intra-node":
+        console.print(_fit_table(f"nbox calibrate: {topo.name} ({topology}), {doc['ranks']} ranks, "
+                                 f"{doc['library']['name']} (torch {doc['library']['torch']}), {doc['meta']['seconds']:.0f} s",
+                                 doc["ops"], doc["measurements"]))
+    if intra:
+        console.print(_fit_table(f"intra-node: {intra['ranks']} ranks of one {intra['device']} node on this machine, "
+                                 f"{intra['library']['name']}, {intra['meta']['seconds']:.0f} s",
+                                 intra["ops"], intra["measurements"]))
     busy, cpu = doc.get("busy_progress"), doc.get("cpu_cost")
     if busy:
         console.print(f"busy progress: an all-reduce of {format_size(busy['size'])} moves at {busy['rate']:.2f} of its idle "
@@ -197,7 +215,7 @@ def calibrate(
             t.add_row(format_size(c["size"]), format_duration(c["gap_s"]), format_duration(c["median_excess_s"]),
                       f"{c['spun']:.0%} of {len(c['samples'])}", format_duration(c["median_spin_stall_s"]))
         console.print(t)
-    for name, why in doc["unsupported"].items():
+    for name, why in {**doc["unsupported"], **((intra or {}).get("unsupported") or {})}.items():
         console.print(f"[yellow]{name}: not measured ({why})[/yellow]")
     console.print(f"wrote {out}")
     if named and out.resolve() == default_out.resolve():
@@ -211,3 +229,23 @@ def calibrate(
     if topo.emulation.model != "calibrated" and "model" in (topo.raw.get("emulation") or {}):
         console.print(f"[yellow]note: {topology} names model {topo.emulation.model}; the profile is read by model "
                       "calibrated (set model: calibrated, or pass --profile to nbox run)[/yellow]")
+
+
+def _fit_table(title: str, ops: dict, measurements: dict):
+    """A profile part's fitted segments per op, as a rich table."""
+    from rich.table import Table
+
+    from ..units import format_duration, format_size
+
+    t = Table(title=title, title_justify="left")
+    for col in ("op", "sizes", "segment", "alpha", "bus bandwidth", "rms error"):
+        t.add_column(col, justify="left" if col in ("op", "segment") else "right")
+    for name, fit in ops.items():
+        meas = measurements[name]
+        for i, s in enumerate(fit["segments"]):
+            hi_s = "∞" if s["hi"] is None else format_size(s["hi"])
+            bw = "-" if s["bandwidth_Bps"] is None else f"{s['bandwidth_Bps'] * 8 / 1e6:.1f} Mbit/s"
+            t.add_row(name if i == 0 else "", f"{format_size(meas[0]['size'])}-{format_size(meas[-1]['size'])}" if i == 0 else "",
+                      f"[{format_size(s['lo'])}, {hi_s})", format_duration(s["alpha_s"]), bw,
+                      f"{fit['rms_rel_error']:.1%}" if i == 0 else "")
+    return t

@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +59,7 @@ __all__ = [
     "write_profile_field",
     "load_for_calibration",
     "run_calibration",
+    "run_intra_node",
 ]
 
 FORMAT = "neuronabox-calibration/1"
@@ -359,16 +361,15 @@ def network_summary(topology) -> dict[str, Any]:
 
 
 def make_profile(topology, fits: dict[str, OpFit], measurements: dict[str, list[dict]], unsupported: dict[str, str],
-                 meta: dict[str, Any] | None = None) -> dict[str, Any]:
+                 meta: dict[str, Any] | None = None, backend: str = "gloo") -> dict[str, Any]:
     """The profile document: topology hash, library, network, fitted segments, raw measurements."""
-    import torch
 
     return {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "topology": {"name": topology.name, "file": str(topology.source), "hash": topology_hash(topology),
                      "world_size": topology.world_size, "nodes": len(topology.nodes)},
-        "library": {"name": "gloo", "torch": torch.__version__, "transport": "tcp"},
+        "library": library_info(backend),
         "network": network_summary(topology),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release()},
         "ranks": topology.world_size,
@@ -378,6 +379,13 @@ def make_profile(topology, fits: dict[str, OpFit], measurements: dict[str, list[
         "measurements": measurements,
         **({"meta": meta} if meta else {}),
     }
+
+
+def library_info(backend: str) -> dict[str, str]:
+    """What measured: the library, torch's version, the transport."""
+    import torch
+
+    return {"name": backend, "torch": torch.__version__, "transport": "tcp" if backend == "gloo" else "nccl"}
 
 
 # Ethernet frame (1514 B with a 1500 B MTU) per TCP payload (1448 B with timestamps): rate
@@ -418,6 +426,12 @@ def load_profile(path: str | Path) -> dict[str, Any]:
         doc["fits"] = {Op.parse(k): OpFit.from_dict(v) for k, v in doc.get("ops", {}).items()}
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"calibration profile {str(p)!r}: ops: {exc}") from None
+    intra = doc.get("intra_node")
+    try:
+        doc["intra_fits"] = ({Op.parse(k): OpFit.from_dict(v) for k, v in intra.get("ops", {}).items()}
+                             if isinstance(intra, dict) else {})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"calibration profile {str(p)!r}: intra_node.ops: {exc}") from None
     return doc
 
 
@@ -510,6 +524,8 @@ class WorkerPlan:
     # same cluster, minutes apart): the median of 9 moved 192-204 ms between calibrations, and
     # DDP's buckets sit there; a longer budget may now buy more samples.
     max_samples: int = 40
+    backend: str = "gloo"  # nccl: the ranks' tensors on GPUs (each rank the GPU of its index)
+    device: str = "cpu"
     out: str = ""
     extra: dict = field(default_factory=dict)
     busy_repeats: int = 21  # samples of the busy-progress measurement (0: skip it)
@@ -559,26 +575,126 @@ def run_calibration(
     if topology.world_size < 2:
         raise InputError(f"{topology.source}: calibration needs at least 2 ranks, "
                          f"the topology has {topology.world_size}")
+    backend, device = _backend_for(topology, topology.world_size, "the network part")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
         # The stall measurement takes the sweep's care: 100 of its per-size budgets, 5-60 s.
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
-                          out=str(Path(tmp) / "measured.json"), stall_budget_s=min(60.0, max(5.0, 100 * budget_s)))
+                          out=str(Path(tmp) / "measured.json"), stall_budget_s=min(60.0, max(5.0, 100 * budget_s)),
+                          backend=backend, device=device)
+        if backend != "gloo":  # the host-coupling figures are a CPU library's
+            plan.busy_repeats = plan.pair_repeats = plan.stall_repeats = 0
         plan_file = Path(tmp) / "plan.json"
         plan_file.write_text(json.dumps(asdict(plan)))
         with cluster_for(topology, cluster, say) as up:
             say(f"cluster {up.name} up; measuring {len(ops)} ops x up to {len(sizes)} sizes "
-                f"on {topology.world_size} ranks")
+                f"on {topology.world_size} ranks ({backend})")
             worker = [sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)]
             rc, codes = launch_real(up.name, topology, worker, None, timeout=timeout, record_only=False,
                                     log_dir=Path(tmp))
-            if rc != 0 or not Path(plan.out).exists():
-                log = Path(tmp) / "rank0.log"
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-                raise _CalibrationFailed(f"the calibration ranks failed (exit codes {codes}): "
-                                         f"{' | '.join(tail) or '(no output)'}")
-        measured = json.loads(Path(plan.out).read_text())
+            measured = _read_measured(plan, rc, codes, Path(tmp))
     n = topology.world_size
+    fits = _fit_measured(measured, n)
+    meta = {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
+            "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
+    profile = make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta, backend)
+    for key in ("busy_progress", "cpu_cost", "concurrency", "spin_stall"):
+        if measured.get(key):
+            profile[key] = measured[key]
+    return profile
+
+
+def run_intra_node(
+    topology,
+    ops: Sequence[Op],
+    sizes: Sequence[int],
+    *,
+    max_op_s: float = 0.5,
+    budget_s: float = 0.15,
+    progress: Callable[[str], None] | None = None,
+    timeout: float = 900.0,
+) -> dict[str, Any]:
+    """Measure ``ops`` at ``sizes`` among the ranks of one node on this machine, over its own fabric; the profile's ``intra_node`` part.
+
+    No namespaces and no shaping: a node's ranks talk over what the node really has (loopback
+    and shared memory for CPU ranks, NVLink or PCIe for GPUs with NCCL), so this machine stands
+    for one node of the topology's first kind. Each CPU rank is pinned to its own core (round
+    robin past the cores); a GPU rank uses the GPU of its index.
+    """
+    from .validate import _end, _wait_all
+
+    say = progress or (lambda msg: None)
+    node = topology.nodes[0]
+    n = node.ranks
+    if n < 2:
+        raise InputError(f"{topology.source}: cluster.ranks_per_node: {n}: no intra-node part to calibrate "
+                         f"(one rank per node)")
+    backend, device = _backend_for(topology, n, "the intra-node part")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
+        plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
+                          out=str(Path(tmp) / "measured.json"), backend=backend, device=device,
+                          busy_repeats=0, pair_repeats=0, stall_repeats=0)
+        plan_file = Path(tmp) / "plan.json"
+        plan_file.write_text(json.dumps(asdict(plan)))
+        from ..emu.launch import free_port
+
+        say(f"measuring {len(ops)} ops x up to {len(sizes)} sizes among {n} ranks of one {node.device} node "
+            f"on this machine ({backend})")
+        base = {k: v for k, v in os.environ.items() if not k.startswith("NBOX_")}
+        port = free_port()
+        cores = sorted(os.sched_getaffinity(0))
+        procs, logs = [], []
+        try:
+            for r in range(n):
+                env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
+                                                      + [x for x in base.get("PYTHONPATH", "").split(os.pathsep) if x]))
+                log = open(Path(tmp) / f"rank{r}.log", "wb")
+                logs.append(log)
+                core = cores[r % len(cores)] if device == "cpu" else None
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)], env=env,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    preexec_fn=(lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None))
+            codes = _wait_all(procs, timeout)
+        finally:
+            for proc in procs:
+                _end(proc)
+            for log in logs:
+                log.close()
+        measured = _read_measured(plan, next((c for c in codes if c != 0), 0), codes, Path(tmp))
+    return {"ranks": n, "device": node.device, "library": library_info(backend),
+            "ops": {k: v.as_dict() for k, v in _fit_measured(measured, n).items()},
+            "unsupported": measured.get("unsupported", {}), "measurements": measured["ops"],
+            "meta": {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
+                     "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}}
+
+
+def _backend_for(topology, ranks: int, part: str) -> tuple[str, str]:
+    """(backend, device) the real ranks measure with: the topology's library; NCCL needs a GPU per rank here."""
+    if topology.emulation.library != "nccl":
+        return "gloo", "cpu"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < ranks:
+        raise InputError(f"{topology.source}: emulation.library: nccl: {part} runs one real rank per GPU on this "
+                         f"machine ({ranks} ranks, {gpus} GPUs here); set library: gloo to calibrate with CPU ranks")
+    return "nccl", "cuda"
+
+
+def _read_measured(plan: "WorkerPlan", rc: int, codes: list[int], logs: Path) -> dict:
+    if rc != 0 or not Path(plan.out).exists():
+        log = logs / "rank0.log"
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+        raise _CalibrationFailed(f"the calibration ranks failed (exit codes {codes}): "
+                                 f"{' | '.join(tail) or '(no output)'}")
+    return json.loads(Path(plan.out).read_text())
+
+
+def _fit_measured(measured: dict, n: int) -> dict[str, OpFit]:
     fits: dict[str, OpFit] = {}
     for op_name, rows in measured["ops"].items():
         if len(rows) >= 2:
@@ -588,13 +704,7 @@ def run_calibration(
             t = rows[0]["time_s"]
             seg = Segment(0.0, math.inf, t, 0.0, t / big_l, math.inf, 1, rows[0]["size"], rows[0]["size"])
             fits[op_name] = OpFit(op_name, n, [seg], 0.0, 0.0)
-    meta = {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
-            "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
-    profile = make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta)
-    for key in ("busy_progress", "cpu_cost", "concurrency", "spin_stall"):
-        if measured.get(key):
-            profile[key] = measured[key]
-    return profile
+    return fits
 
 
 class _CalibrationFailed(InputError):
@@ -608,9 +718,15 @@ def _worker(plan_path: str) -> None:
 
     plan = WorkerPlan(**json.loads(Path(plan_path).read_text()))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if plan.device == "cuda":
+        # One GPU per rank, by its index; NCCL's ops are asynchronous on the GPU: sync() ends a timing.
+        device = torch.device("cuda", int(os.environ.get("RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dist.init_process_group(plan.backend)
     rank, n = dist.get_rank(), dist.get_world_size()
-    ctl = torch.zeros(3, dtype=torch.float64)
+    ctl = torch.zeros(3, dtype=torch.float64, device=device)
     results: dict[str, list[dict]] = {}
     unsupported: dict[str, str] = {}
     truncated: dict[str, int] = {}
@@ -627,8 +743,9 @@ def _worker(plan_path: str) -> None:
         rows: list[dict] = []
         for size in plan.sizes:
             try:
-                call, nbytes = _op_call(op, size, rank, n)
-                call()  # warm-up; also finds ops this gloo lacks
+                call, nbytes = _op_call(op, size, rank, n, device)
+                call()  # warm-up; also finds ops this library lacks
+                sync()
                 ok = 1.0
             except (RuntimeError, ValueError, NotImplementedError) as exc:
                 ok, why = 0.0, str(exc).splitlines()[0][:200]
@@ -637,17 +754,21 @@ def _worker(plan_path: str) -> None:
                     unsupported[op.value] = why if ok == 0.0 else "failed on another rank"
                 break
             dist.barrier()
+            sync()
             t = time.perf_counter()
             call()
+            sync()
             first = decide([time.perf_counter() - t])[0]
             k = max(1, min(1000, int(plan.sample_s / max(first, 1e-7))))
             samples_n = max(plan.min_samples, min(plan.max_samples, int(plan.budget_s / max(first * k, 1e-7))))
             samples = []
             for _ in range(samples_n):
                 dist.barrier()
+                sync()
                 t = time.perf_counter()
                 for _ in range(k):
                     call()
+                sync()
                 samples.append(decide([(time.perf_counter() - t) / k])[0])
             med = statistics.median(samples)
             rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples})
@@ -949,44 +1070,49 @@ def _pair_point(size: int, repeats: int, latency: float, decide) -> dict:
             "single_samples": single, "pair_samples": pair}
 
 
-def _op_call(op: Op, size: int, rank: int, n: int):
-    """A zero-argument function running ``op`` on ``size`` bytes (nccl-tests size), and the bytes it really moves."""
+def _op_call(op: Op, size: int, rank: int, n: int, device=None):
+    """A zero-argument function running ``op`` on ``size`` bytes (nccl-tests size) on ``device``, and the bytes it really moves."""
+    import functools
+
     import torch
     import torch.distributed as dist
+
+    ones = functools.partial(torch.ones, device=device)
+    empty = functools.partial(torch.empty, device=device)
 
     elems = max(1, size // 4)
     if op in _CHUNKED:
         elems = max(n, (elems + n - 1) // n * n)  # n equal chunks of at least one element
     nbytes = elems * 4
     if op is Op.ALL_REDUCE:
-        x = torch.ones(elems)
+        x = ones(elems)
         return (lambda: dist.all_reduce(x)), nbytes
     if op is Op.BROADCAST:
-        x = torch.ones(elems)
+        x = ones(elems)
         return (lambda: dist.broadcast(x, 0)), nbytes
     if op is Op.REDUCE:
-        x = torch.ones(elems)
+        x = ones(elems)
         return (lambda: dist.reduce(x, 0)), nbytes
     if op is Op.ALL_GATHER:
-        out, inp = torch.empty(elems), torch.ones(elems // n)
+        out, inp = empty(elems), ones(elems // n)
         return (lambda: dist.all_gather_into_tensor(out, inp)), nbytes
     if op is Op.REDUCE_SCATTER:
-        inp, out = torch.ones(elems), torch.empty(elems // n)
+        inp, out = ones(elems), empty(elems // n)
         return (lambda: dist.reduce_scatter_tensor(out, inp)), nbytes
     if op is Op.ALL_TO_ALL:
-        inp, out = torch.ones(elems), torch.empty(elems)
+        inp, out = ones(elems), empty(elems)
         return (lambda: dist.all_to_all_single(out, inp)), nbytes
     if op is Op.GATHER:
-        inp = torch.ones(elems // n)
-        outs = [torch.empty(elems // n) for _ in range(n)] if rank == 0 else None
+        inp = ones(elems // n)
+        outs = [empty(elems // n) for _ in range(n)] if rank == 0 else None
         return (lambda: dist.gather(inp, outs, dst=0)), nbytes
     if op is Op.SCATTER:
-        out = torch.empty(elems // n)
-        ins = [torch.ones(elems // n) for _ in range(n)] if rank == 0 else None
+        out = empty(elems // n)
+        ins = [ones(elems // n) for _ in range(n)] if rank == 0 else None
         return (lambda: dist.scatter(out, ins, src=0)), nbytes
     if op is Op.SEND_RECV:
         # nccl-tests SendRecv: every rank sends to the next and receives from the previous, at once.
-        send, recv = torch.ones(elems), torch.empty(elems)
+        send, recv = ones(elems), empty(elems)
 
         def sendrecv() -> None:
             reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % n),

@@ -64,7 +64,9 @@ class CalibratedModel(CommModel):
                              f"{ENV_PROFILE} is read last)")
         self.profile = doc
         self.fits = doc["fits"]
-        if Op.ALL_REDUCE not in self.fits and not self.fits:
+        # The node's own fabric (nbox calibrate --part intra-node), for groups inside one node.
+        self.intra_fits = doc.get("intra_fits") or {}
+        if not self.fits and not self.intra_fits:
             raise InputError(f"calibration profile {doc.get('topology', {}).get('file', '')!r} has no fitted op")
         self.matches = doc.get("topology", {}).get("hash") == topology_hash(topology)
         if not self.matches:
@@ -79,11 +81,8 @@ class CalibratedModel(CommModel):
         # The measured points themselves: between two of them, at the calibrated group size and
         # with no what-if scaling, the model interpolates them rather than trust a segment's
         # line (a 3-point segment can miss a point it fits by 9%, and DDP's buckets sit there).
-        self.tables: dict[Op, tuple[list[float], list[float]]] = {}
-        for name, rows in (doc.get("measurements") or {}).items():
-            pts = sorted((float(r["size"]), float(r["time_s"])) for r in rows if r.get("size"))
-            if len(pts) >= 2:
-                self.tables[Op.parse(name)] = ([p[0] for p in pts], [p[1] for p in pts])
+        self.tables = _tables(doc.get("measurements"))
+        self.intra_tables = _tables((doc.get("intra_node") or {}).get("measurements"))
 
     def link_time(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> float | None:
         """The op's bytes at the link time per byte measured with two all-reduces at once (profile ``concurrency``)."""
@@ -113,23 +112,28 @@ class CalibratedModel(CommModel):
 
     def estimate(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> Estimate:
         """The fitted segment for ``nbytes``, in the op's ring closed form for this group's size."""
-        from ..fidelity.calibrate import ring_terms
-
         group = Group.of(group)
         n = group.size
         if n == 1:
             return Estimate(0.0, "local")
         rank_node = self.topology.rank_node
         if len({rank_node[r] for r in group.ranks}) == 1:
-            return self._alpha_beta().estimate(op, nbytes, group, root)
-        fit = self.fits.get(op)
-        label = "calibrated"
+            if not self.intra_fits:
+                return self._alpha_beta().estimate(op, nbytes, group, root)
+            return self._from_fits(self.intra_fits, self.intra_tables, "calibrated intra-node", op, nbytes, group, root)
+        return self._from_fits(self.fits, self.tables, "calibrated", op, nbytes, group, root)
+
+    def _from_fits(self, fits, tables, label: str, op: Op, nbytes: int, group: Group, root: int) -> Estimate:
+        from ..fidelity.calibrate import ring_terms
+
+        n = group.size
+        fit = fits.get(op)
         if fit is None:
-            fit = self.fits.get(Op.ALL_REDUCE)
-            label = "calibrated(all_reduce)"
+            fit = fits.get(Op.ALL_REDUCE)
+            label += "(all_reduce)"
             if fit is None:
                 return self._alpha_beta().estimate(op, nbytes, group, root)
-        table = self.tables.get(op)
+        table = tables.get(op)
         if (table is not None and n == fit.n and fit.op == op.value and self.latency_scale == 1.0
                 and self.bandwidth_scale == 1.0 and table[0][0] <= nbytes <= table[0][-1]):
             sizes, times = table
@@ -148,6 +152,16 @@ class CalibratedModel(CommModel):
             t = big_l * seg.alpha_s * self.latency_scale + (0.0 if math.isinf(bw) else big_f * nbytes / bw)
         index = fit.segments.index(seg)
         return Estimate(max(t, 0.0), f"{label} s{index}")
+
+
+def _tables(measurements: dict | None) -> dict[Op, tuple[list[float], list[float]]]:
+    """The measured points per op, by size: between two of them the model interpolates rather than trust a segment's line."""
+    out: dict[Op, tuple[list[float], list[float]]] = {}
+    for name, rows in (measurements or {}).items():
+        pts = sorted((float(r["size"]), float(r["time_s"])) for r in rows if r.get("size"))
+        if len(pts) >= 2:
+            out[Op.parse(name)] = ([p[0] for p in pts], [p[1] for p in pts])
+    return out
 
 
 def pair_sec_per_byte(concurrency: dict, nbytes: float) -> float:
