@@ -621,7 +621,8 @@ def run_intra_node(
     for one node of the topology's first kind. Each CPU rank is pinned to its own core (round
     robin past the cores); a GPU rank uses the GPU of its index.
     """
-    from .validate import _end, _wait_all
+    from ..emu.launch import free_port
+    from .validate import rank_preexec, run_ranks
 
     say = progress or (lambda msg: None)
     node = topology.nodes[0]
@@ -637,33 +638,18 @@ def run_intra_node(
                           busy_repeats=0, pair_repeats=0, stall_repeats=0)
         plan_file = Path(tmp) / "plan.json"
         plan_file.write_text(json.dumps(asdict(plan)))
-        from ..emu.launch import free_port
-
         say(f"measuring {len(ops)} ops x up to {len(sizes)} sizes among {n} ranks of one {node.device} node "
             f"on this machine ({backend})")
         base = {k: v for k, v in os.environ.items() if not k.startswith("NBOX_")}
+        path = os.pathsep.join([str(Path(__file__).resolve().parents[2])]
+                               + [x for x in base.get("PYTHONPATH", "").split(os.pathsep) if x])
         port = free_port()
+        envs = [dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=path) for r in range(n)]
         cores = sorted(os.sched_getaffinity(0))
-        procs, logs = [], []
-        try:
-            for r in range(n):
-                env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
-                                                      + [x for x in base.get("PYTHONPATH", "").split(os.pathsep) if x]))
-                log = open(Path(tmp) / f"rank{r}.log", "wb")
-                logs.append(log)
-                core = cores[r % len(cores)] if device == "cpu" else None
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)], env=env,
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    preexec_fn=(lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None))
-            codes = _wait_all(procs, timeout)
-        finally:
-            for proc in procs:
-                _end(proc)
-            for log in logs:
-                log.close()
+        pres = [rank_preexec(None, cores[r % len(cores)] if device == "cpu" else None) for r in range(n)]
+        codes = run_ranks([sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)], envs, pres,
+                          timeout=timeout, log_dir=Path(tmp))
         measured = _read_measured(plan, next((c for c in codes if c != 0), 0), codes, Path(tmp))
     return {"ranks": n, "device": node.device, "library": library_info(backend),
             "ops": {k: v.as_dict() for k, v in _fit_measured(measured, n).items()},

@@ -146,7 +146,8 @@ def _node_iface(plan: dict, ns: str) -> str:
 CLONE_NEWUTS = 0x04000000
 
 
-def _preexec(ns_path: str | None, core: int | None, hostname: str | None = None):
+def rank_preexec(ns_path: str | None, core: int | None, hostname: str | None = None):
+    """What a rank's process does before it runs: enter its node's namespace, take its hostname and core, lead its own process group."""
     import ctypes
 
     from ..cluster.netns import Namespace
@@ -207,38 +208,53 @@ def launch_real(
     base = {k: v for k, v in os.environ.items() if not k.startswith("NBOX_") and k not in ("PYTHONPATH",)}
     paths = ([str(RECORD_ONLY_DIR)] if record_only else []) + [str(_PACKAGE_PARENT)]
     paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    envs, preexecs = [], []
+    for rank in range(world):
+        node = topology.nodes[topology.rank_node[rank]]
+        h = hosts[node.name]
+        env = dict(base)
+        env.update(extra_env or {})
+        env.update({
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(topology.local_rank(rank)),
+            "LOCAL_WORLD_SIZE": str(node.ranks), "GROUP_RANK": str(node.index),
+            "GROUP_WORLD_SIZE": str(len(topology.nodes)), "MASTER_ADDR": master["address"],
+            "MASTER_PORT": str(MASTER_PORT),
+            "TORCHELASTIC_RUN_ID": f"nbox-validate-{cluster}", "PYTHONPATH": os.pathsep.join(paths),
+            "NBOX_CLUSTER": cluster, "NBOX_NODE": node.name, "NBOX_NODE_ADDR": h["address"],
+        })
+        env.pop("GLOO_SOCKET_IFNAME", None)
+        if gloo_bind == "iface":
+            env["GLOO_SOCKET_IFNAME"] = _node_iface(plan, h["ns"])
+        if record_only:
+            env["NBOX_RECORD_ONLY"] = "1"
+        if rank == record_rank and record is not None:
+            env["NBOX_RECORD"] = str(record)
+        envs.append(env)
+        preexecs.append(rank_preexec(f"/run/netns/{h['ns']}" if h.get("ns") else None, cores[rank],
+                                     h["address"] if gloo_bind == "node" and h.get("ns") else None))
+    codes = run_ranks(command, envs, preexecs, timeout=timeout, log_dir=log_dir)
+    bad = next((c for c in codes if c != 0), 0)
+    return bad, codes
+
+
+def run_ranks(command: Sequence[str], envs: Sequence[dict[str, str]], preexecs: Sequence[Callable[[], None]], *,
+              timeout: float, log_dir: Path | None = None) -> list[int]:
+    """Run ``command`` once per rank (``envs[r]``, ``preexecs[r]``, output to ``log_dir/rank<r>.log``) and return every rank's exit status.
+
+    Each preexec must give its process a process group of its own (``rank_preexec`` does): a
+    rank that fails, or outlives ``timeout``, is ended with its children.
+    """
     procs: list[subprocess.Popen] = []
     logs = []
+    codes: list[int] = []
     try:
-        for rank in range(world):
-            node = topology.nodes[topology.rank_node[rank]]
-            h = hosts[node.name]
-            env = dict(base)
-            env.update(extra_env or {})
-            env.update({
-                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(topology.local_rank(rank)),
-                "LOCAL_WORLD_SIZE": str(node.ranks), "GROUP_RANK": str(node.index),
-                "GROUP_WORLD_SIZE": str(len(topology.nodes)), "MASTER_ADDR": master["address"],
-                "MASTER_PORT": str(MASTER_PORT),
-                "TORCHELASTIC_RUN_ID": f"nbox-validate-{cluster}", "PYTHONPATH": os.pathsep.join(paths),
-                "NBOX_CLUSTER": cluster, "NBOX_NODE": node.name, "NBOX_NODE_ADDR": h["address"],
-            })
-            env.pop("GLOO_SOCKET_IFNAME", None)
-            if gloo_bind == "iface":
-                env["GLOO_SOCKET_IFNAME"] = _node_iface(plan, h["ns"])
-            if record_only:
-                env["NBOX_RECORD_ONLY"] = "1"
-            if rank == record_rank and record is not None:
-                env["NBOX_RECORD"] = str(record)
+        for rank, (env, pre) in enumerate(zip(envs, preexecs)):
             out = open(log_dir / f"rank{rank}.log", "wb") if log_dir else subprocess.DEVNULL
             if log_dir:
                 logs.append(out)
             try:
-                procs.append(subprocess.Popen(
-                    list(command), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    preexec_fn=_preexec(f"/run/netns/{h['ns']}" if h.get("ns") else None, cores[rank],
-                                        h["address"] if gloo_bind == "node" and h.get("ns") else None),
-                ))
+                procs.append(subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                              stderr=subprocess.STDOUT, preexec_fn=pre))
             except FileNotFoundError:
                 raise InputError(f"command not found: {command[0]!r}") from None
         codes = _wait_all(procs, timeout)
@@ -247,8 +263,7 @@ def launch_real(
             _end(p)
         for f in logs:
             f.close()
-    bad = next((c for c in codes if c != 0), 0)
-    return bad, codes
+    return codes
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
@@ -321,13 +336,13 @@ def _run_emulated(
             # through its footprint.
             tenv = {**env, "NBOX_FOOTPRINT": "0"} if mode == "wire" else env
             twin_procs.append((rank, subprocess.Popen(argv, env=tenv, stdin=subprocess.DEVNULL, stdout=tout,
-                                                      stderr=subprocess.STDOUT, preexec_fn=_preexec(None, twin_core))))
+                                                      stderr=subprocess.STDOUT, preexec_fn=rank_preexec(None, twin_core))))
         out = open(log, "wb") if log else subprocess.DEVNULL
         if log:
             outs.append(out)
         argv = _emulated_argv(topo_file, command, report, model, profile, mode=mode, cluster=cluster)
         p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                             preexec_fn=_preexec(None, core))
+                             preexec_fn=rank_preexec(None, core))
         t0 = time.monotonic()
         try:
             rc = p.wait(timeout=timeout)
