@@ -363,7 +363,6 @@ def network_summary(topology) -> dict[str, Any]:
 def make_profile(topology, fits: dict[str, OpFit], measurements: dict[str, list[dict]], unsupported: dict[str, str],
                  meta: dict[str, Any] | None = None, backend: str = "gloo") -> dict[str, Any]:
     """The profile document: topology hash, library, network, fitted segments, raw measurements."""
-
     return {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
