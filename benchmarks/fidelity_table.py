@@ -204,19 +204,20 @@ def _pct(v, sign: bool = True) -> str:
 
 def _error_cell(m: dict, real_runs: list[float] | None = None) -> str:
     """Error of the median, marked when it is within the real system's own spread, with its run-bootstrap interval."""
+    from neuronabox.stats import error_interval
+
     if not m.get("available", True):
         return f"n/a ({m.get('why', 'not run')})"
     if m.get("failed") or m.get("median_s") is None:
         return f"failed: {m.get('failed') or 'a run did not finish'}"
     cell = _pct(m.get("error")) + (" ≈" if "within the real spread" in (m.get("verdict") or "") else "")
-    from neuronabox.stats import error_interval
-
     ci = error_interval(real_runs or [], m.get("run_medians_s") or [])
     return cell + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else "")
 
 
 def write(args, rows: list[dict], modes: list[str], command: str, seconds: float, machine: dict | None = None) -> None:
     """The Markdown table (and the JSON beside it)."""
+    from neuronabox.fidelity.calibrate import pair_ratios
     from neuronabox.units import format_size
 
     out: Path = args.out
@@ -298,9 +299,10 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         if pair:
             parts.append(f"two at once: {pair['size'] >> 10} KiB all-reduce {pair['single_s'] * 1e3:.1f} ms alone, "
                          f"{pair['pair_s'] * 1e3:.1f} ms for two")
-            if len(pair.get("points") or []) > 1:
+            ratios = pair_ratios(pair)
+            if len(ratios) > 1:
                 parts[-1] += "; two at once over one after the other: " + ", ".join(
-                    f"{format_size(pt['size'])} {pt['pair_s'] / (2 * pt['single_s']):.2f}" for pt in pair["points"])
+                    f"{format_size(size)} {r:.2f}" for size, r in ratios)
         lines.append(f"- {r['network']}: " + "; ".join(parts) + ".")
     if args.quick:
         lines += ["", "**Smoke run (`--quick`): these figures show the script works, they are not a fidelity "

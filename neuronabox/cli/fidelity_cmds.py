@@ -144,6 +144,7 @@ def calibrate(
         load_for_calibration,
         load_profile,
         make_profile,
+        pair_ratios,
         parse_ops,
         parse_size_range,
         profile_reference,
@@ -203,9 +204,10 @@ def calibrate(
     if pair:
         console.print(f"two at once: two all-reduces of {format_size(pair['size'])} take {pair['pair_s'] * 1e3:.2f} ms together, "
                       f"one {pair['single_s'] * 1e3:.2f} ms alone (gloo runs two ops of a group at once)")
-        if len(pair.get("points") or []) > 1:
-            console.print("two at once over one after the other, by size: " + ", ".join(
-                f"{format_size(pt['size'])} {pt['pair_s'] / (2 * pt['single_s']):.2f}" for pt in pair["points"] if pt["single_s"] > 0))
+        ratios = pair_ratios(pair)
+        if len(ratios) > 1:
+            console.print("two at once over one after the other, by size: "
+                          + ", ".join(f"{format_size(size)} {r:.2f}" for size, r in ratios))
     stall = doc.get("spin_stall")
     if stall and stall.get("cells"):
         t = Table(title="ops issued after compute (model mode draws these per op)")

@@ -28,7 +28,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +59,7 @@ __all__ = [
     "load_for_calibration",
     "run_calibration",
     "run_intra_node",
+    "pair_ratios",
 ]
 
 FORMAT = "neuronabox-calibration/1"
@@ -589,13 +589,12 @@ def run_calibration(
             say(f"cluster {up.name} up; measuring {len(ops)} ops x up to {len(sizes)} sizes "
                 f"on {topology.world_size} ranks ({backend})")
             worker = [sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)]
-            rc, codes = launch_real(up.name, topology, worker, None, timeout=timeout, record_only=False,
-                                    log_dir=Path(tmp))
-            measured = _read_measured(plan, rc, codes, Path(tmp))
+            _, codes = launch_real(up.name, topology, worker, None, timeout=timeout, record_only=False,
+                                   log_dir=Path(tmp))
+            measured = _read_measured(plan, codes, Path(tmp))
     n = topology.world_size
     fits = _fit_measured(measured, n)
-    meta = {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
-            "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
+    meta = _meta(t0, max_op_s, budget_s, sizes, measured)
     profile = make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta, backend)
     for key in ("busy_progress", "cpu_cost", "concurrency", "spin_stall"):
         if measured.get(key):
@@ -621,7 +620,7 @@ def run_intra_node(
     robin past the cores); a GPU rank uses the GPU of its index.
     """
     from ..emu.launch import free_port
-    from .validate import rank_preexec, run_ranks
+    from .validate import _PACKAGE_PARENT, rank_preexec, run_ranks
 
     say = progress or (lambda msg: None)
     node = topology.nodes[0]
@@ -640,8 +639,7 @@ def run_intra_node(
         say(f"measuring {len(ops)} ops x up to {len(sizes)} sizes among {n} ranks of one {node.device} node "
             f"on this machine ({backend})")
         base = {k: v for k, v in os.environ.items() if not k.startswith("NBOX_")}
-        path = os.pathsep.join([str(Path(__file__).resolve().parents[2])]
-                               + [x for x in base.get("PYTHONPATH", "").split(os.pathsep) if x])
+        path = os.pathsep.join([str(_PACKAGE_PARENT)] + [x for x in base.get("PYTHONPATH", "").split(os.pathsep) if x])
         port = free_port()
         envs = [dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=path) for r in range(n)]
@@ -649,12 +647,11 @@ def run_intra_node(
         pres = [rank_preexec(None, cores[r % len(cores)] if device == "cpu" else None) for r in range(n)]
         codes = run_ranks([sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)], envs, pres,
                           timeout=timeout, log_dir=Path(tmp))
-        measured = _read_measured(plan, next((c for c in codes if c != 0), 0), codes, Path(tmp))
+        measured = _read_measured(plan, codes, Path(tmp))
     return {"ranks": n, "device": node.device, "library": library_info(backend),
             "ops": {k: v.as_dict() for k, v in _fit_measured(measured, n).items()},
             "unsupported": measured.get("unsupported", {}), "measurements": measured["ops"],
-            "meta": {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
-                     "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}}
+            "meta": _meta(t0, max_op_s, budget_s, sizes, measured)}
 
 
 def _backend_for(topology, ranks: int, part: str) -> tuple[str, str]:
@@ -670,13 +667,20 @@ def _backend_for(topology, ranks: int, part: str) -> tuple[str, str]:
     return "nccl", "cuda"
 
 
-def _read_measured(plan: "WorkerPlan", rc: int, codes: list[int], logs: Path) -> dict:
-    if rc != 0 or not Path(plan.out).exists():
+def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path) -> dict:
+    """What rank 0 wrote, or the ranks' failure with rank 0's last lines."""
+    if any(codes) or not Path(plan.out).exists():
         log = logs / "rank0.log"
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
         raise _CalibrationFailed(f"the calibration ranks failed (exit codes {codes}): "
                                  f"{' | '.join(tail) or '(no output)'}")
     return json.loads(Path(plan.out).read_text())
+
+
+def _meta(t0: float, max_op_s: float, budget_s: float, sizes: Sequence[int], measured: dict) -> dict[str, Any]:
+    """How a part was measured: its time, limits, the sizes asked for and where ops were cut short."""
+    return {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
+            "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
 
 
 def _fit_measured(measured: dict, n: int) -> dict[str, OpFit]:
@@ -1031,6 +1035,12 @@ def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
               for size in sorted({s for s in PAIR_SIZES if s < main} | {main})]
     top = points[-1]
     return {**top, "ranks": n, "points": [{k: v for k, v in pt.items() if not k.endswith("_samples")} for pt in points]}
+
+
+def pair_ratios(concurrency: dict) -> list[tuple[int, float]]:
+    """(size, two at once over one after the other) per size the profile's ``concurrency`` measured."""
+    return [(pt["size"], pt["pair_s"] / (2 * pt["single_s"])) for pt in concurrency.get("points") or []
+            if pt["single_s"] > 0]
 
 
 def _pair_point(size: int, repeats: int, latency: float, decide) -> dict:

@@ -246,7 +246,6 @@ def run_ranks(command: Sequence[str], envs: Sequence[dict[str, str]], preexecs: 
     """
     procs: list[subprocess.Popen] = []
     logs = []
-    codes: list[int] = []
     try:
         for rank, (env, pre) in enumerate(zip(envs, preexecs)):
             out = open(log_dir / f"rank{rank}.log", "wb") if log_dir else subprocess.DEVNULL
