@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..collectives import Op
 from ..model.base import Group
-from . import cuda_wait
+from . import cuda_wait, start_gate
 from .emulator import Emulator, current
 from .timeline import OpRecord, Timeline, clock, sleep_until, tune_thread_timer_slack
 
@@ -829,7 +829,9 @@ def create_process_group(dist_opts, backend_opts=None) -> NboxProcessGroup:
         raise RuntimeError(f"nbox: group of {size} ranks with {len(ranks)} global ranks")
     if not ranks or max(ranks) >= emu.world_size:
         raise RuntimeError(f"nbox: group ranks {ranks[:8]} exceed the emulated world of {emu.world_size}")
-    return NboxProcessGroup(dist_opts.group_rank, size, ranks, emu)
+    group = NboxProcessGroup(dist_opts.group_rank, size, ranks, emu)
+    start_gate.rendezvous()
+    return group
 
 
 def register() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..collectives import Op
 from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
+from . import start_gate
 from .footprint import Footprint, cpu_cost_from_profile, interference
 from .host_coupling import HostCoupling, busy_rate_from_profile
 from .spin_stall import SpinStall
@@ -62,6 +63,7 @@ class Emulator:
             model = create_model(topology, model)
         self.model: CommModel = model
         self.recorder = Recorder()
+        start_gate.install(self.recorder)
         if straggler is None:
             factors = compute_factors(topology, real_rank)
             noise = topology.emulation.peer_noise

@@ -16,7 +16,9 @@ bandwidth), while a lone emulated rank would have the machine to itself, so the 
 mix the emulator's communication fidelity with the reference's hardware sharing. During each
 emulated run every other rank of the real system also runs, as an independent ``nbox run``
 of the same command whose real rank is that rank (its own emulation, model mode), pinned to
-that rank's core and started at the same time; its figures are not reported. The twin
+that rank's core, started at the same time, meeting the measured rank when their process
+groups are created and waiting for it at the end of its first iteration (``emu/start_gate.py``);
+its figures are not reported. The twin
 reproduces the other ranks' compute load; in model mode its footprint (a calibrated profile's
 CPU cost) also spends what those ranks' moving of bytes costs. Beside a wire-mode run the
 bytes really move, the stubs and the relay spend that CPU themselves, so the twin runs without
@@ -34,6 +36,7 @@ import contextlib
 import inspect
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import InputError
+from ..emu import start_gate
 from ..stats import error_interval, percentile
 
 __all__ = [
@@ -321,6 +325,14 @@ def _run_emulated(
 ) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("NBOX_RECORD", "NBOX_RECORD_ONLY")}
     outs, twin_procs = [], []
+    # The twins' steps run beside the measured rank's (start_gate.py): all meet when their first
+    # process group exists, and the twins wait at the end of their first iteration for the
+    # measured rank to end its own.
+    gate = report.with_name(f"{report.stem}.gate")
+    shutil.rmtree(gate, ignore_errors=True)
+    if twins:
+        gate.mkdir()
+        env.update({start_gate.ENV_GATE: str(gate), start_gate.ENV_PARTIES: str(1 + len(twins))})
     try:
         # The twins start first (each is an nbox run in model mode of its own rank, no report,
         # no cluster), so that the measured rank never computes on an idle machine.
@@ -340,8 +352,8 @@ def _run_emulated(
         if log:
             outs.append(out)
         argv = _emulated_argv(topo_file, command, report, model, profile, mode=mode, cluster=cluster)
-        p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                             preexec_fn=rank_preexec(None, core))
+        p = subprocess.Popen(argv, env={**env, start_gate.ENV_LEAD: "1"}, stdin=subprocess.DEVNULL, stdout=out,
+                             stderr=subprocess.STDOUT, preexec_fn=rank_preexec(None, core))
         t0 = time.monotonic()
         try:
             rc = p.wait(timeout=timeout)
@@ -367,6 +379,7 @@ def _run_emulated(
             _end(tp)
         for f in outs:
             f.close()
+        shutil.rmtree(gate, ignore_errors=True)
 
 
 # ---- results ----------------------------------------------------------------------------------------
