@@ -163,7 +163,6 @@ class _Session:
         self.received = (0, -1)  # the last (seq, step) read from the real rank
         self.out: socket.socket | None = None
         self.closed = False
-        self.reader_gone = False  # the real rank's data connection ended: a fence can never be met
         self.sent = 0
         self.recv_bytes = 0
 
@@ -225,12 +224,6 @@ class Stub:
                         s.arena = mmap.mmap(fds[0], int(msg["size"]), prot=mmap.PROT_READ)
                     for fd in fds:
                         os.close(fd)
-                elif t == "fence" and s is not None:
-                    want = (int(msg["seq"]), int(msg["frame"]))
-                    with s.cond:
-                        while s.received < want and not s.closed and not s.reader_gone:
-                            s.cond.wait()
-                    send_msg(conn, {"t": "ack"})
                 elif t == "op" and s is not None:
                     with s.cond:
                         seq = int(msg["seq"])
@@ -266,14 +259,6 @@ class Stub:
             self._send(s, conn)
 
     def _read(self, s: _Session, conn: socket.socket) -> None:
-        try:
-            self._drain(s, conn)
-        finally:
-            with s.cond:
-                s.reader_gone = True
-                s.cond.notify_all()
-
-    def _drain(self, s: _Session, conn: socket.socket) -> None:
         # The real rank's frames: the next rank would reduce or store them; a stub counts and drops them.
         scratch = memoryview(bytearray(1 << 20))
         while True:
