@@ -143,3 +143,23 @@ def test_the_start_gate_meets_at_the_first_group_and_holds_a_twin_until_the_meas
     plain = Recorder()
     start_gate.install(plain)
     assert plain.iteration_listeners == []
+
+
+def test_nobody_waits_at_an_abandoned_start_gate(tmp_path, monkeypatch):
+    import time
+
+    from neuronabox.emu import start_gate
+    from neuronabox.emu.timeline import Recorder
+
+    gate = tmp_path / "run.gate"
+    gate.mkdir()
+    (gate / start_gate.ABANDONED).touch()  # the launcher saw a partner end before it came
+    monkeypatch.setenv(start_gate.ENV_GATE, str(gate))
+    monkeypatch.setenv(start_gate.ENV_PARTIES, "3")
+    monkeypatch.setattr(start_gate, "_met", False)
+    t = time.monotonic()
+    start_gate.rendezvous()
+    twin = Recorder()
+    start_gate.install(twin)
+    twin.mark_iteration()
+    assert time.monotonic() - t < 1.0

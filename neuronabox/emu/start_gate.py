@@ -14,7 +14,8 @@ Two meeting points, both inside the warm-up:
   and the twins wait there for it: the measured rank never waits for a twin's iteration.
 
 ``NBOX_START_GATE`` names a fresh directory the processes share, ``NBOX_START_PARTIES`` how
-many they are. Without them nothing happens.
+many they are. Without them nothing happens. The launcher creates ``abandoned`` in it when one
+of them ended early: nobody waits for it any longer.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ WAIT_LIMIT_S = 120.0
 # milliseconds.
 POLL_S = 0.005
 OPEN = "open"
+ABANDONED = "abandoned"
 
 _met = False
 
@@ -42,9 +44,9 @@ def _gate() -> Path | None:
     return Path(path) if path else None
 
 
-def _wait_for(ready) -> None:
+def _wait_for(gate: Path, ready) -> None:
     deadline = time.monotonic() + WAIT_LIMIT_S
-    while not ready() and time.monotonic() < deadline:
+    while not ready() and not (gate / ABANDONED).exists() and time.monotonic() < deadline:
         time.sleep(POLL_S)
 
 
@@ -58,7 +60,7 @@ def rendezvous() -> None:
     parties = int(os.environ.get(ENV_PARTIES, "1"))
     gate.mkdir(parents=True, exist_ok=True)
     (gate / f"{os.getpid()}.ready").touch()
-    _wait_for(lambda: sum(1 for p in gate.iterdir() if p.suffix == ".ready") >= parties)
+    _wait_for(gate, lambda: sum(1 for p in gate.iterdir() if p.suffix == ".ready") >= parties)
 
 
 def install(recorder) -> None:
@@ -74,4 +76,4 @@ def _at_iteration(index: int) -> None:
     if os.environ.get(ENV_LEAD):
         (gate / OPEN).touch()
     else:
-        _wait_for((gate / OPEN).exists)
+        _wait_for(gate, (gate / OPEN).exists)

@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -355,6 +356,10 @@ def _run_emulated(
         p = subprocess.Popen(argv, env={**env, start_gate.ENV_LEAD: "1"}, stdin=subprocess.DEVNULL, stdout=out,
                              stderr=subprocess.STDOUT, preexec_fn=rank_preexec(None, core))
         t0 = time.monotonic()
+        # A process that ends early (a twin that failed, or the measured rank) must not leave the
+        # others waiting at the start gate: a thread per process marks the gate abandoned.
+        for proc in [p] + [tp for _, tp in twin_procs]:
+            threading.Thread(target=_abandon_when_ended, args=(proc, gate), daemon=True).start()
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -362,7 +367,8 @@ def _run_emulated(
             rc = 124
         # A twin runs the same steps and ends about when the measured rank does; one that lags
         # far behind only loads an idle machine now, so it is ended, and its status is a note.
-        grace = max(30.0, 0.5 * (time.monotonic() - t0))
+        # Beside a failed measured rank there is nothing to wait for.
+        grace = max(30.0, 0.5 * (time.monotonic() - t0)) if rc == 0 else 1.0
         for rank, tp in twin_procs:
             try:
                 trc = tp.wait(timeout=grace)
@@ -380,6 +386,13 @@ def _run_emulated(
         for f in outs:
             f.close()
         shutil.rmtree(gate, ignore_errors=True)
+
+
+def _abandon_when_ended(proc: subprocess.Popen, gate: Path) -> None:
+    proc.wait()
+    if gate.is_dir():
+        with contextlib.suppress(OSError):
+            (gate / start_gate.ABANDONED).touch()
 
 
 # ---- results ----------------------------------------------------------------------------------------
