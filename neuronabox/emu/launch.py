@@ -23,11 +23,21 @@ import os
 import socket
 import uuid
 import weakref
+from pathlib import Path
 
 from ..topology import Topology
 from .emulator import ENV_REAL_RANK, current
 
-__all__ = ["prepare_env", "install", "uninstall", "installed", "free_port", "run_script"]
+__all__ = ["prepare_env", "install", "uninstall", "installed", "free_port", "run_script", "child_pythonpath"]
+
+# The folder holding the neuronabox package: a child process started from a checkout imports it from there.
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+
+
+def child_pythonpath(*first: Path | str) -> str:
+    """A child process's PYTHONPATH: ``first`` (folders whose sitecustomize must run), this package's folder, then ours."""
+    ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([str(p) for p in first] + [str(PACKAGE_PARENT)] + ours)
 
 
 def free_port() -> int:

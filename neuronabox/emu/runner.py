@@ -24,12 +24,11 @@ import yaml
 from ..errors import InputError
 from ..topology import Topology
 from .emulator import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY
-from .launch import prepare_env
+from .launch import child_pythonpath, prepare_env
 
 __all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent / "autostart"
-_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -64,8 +63,7 @@ def _add_backend(env: dict[str, str], topology_file: Path, model: str | None) ->
     env[ENV_TOPOLOGY] = str(topology_file)
     if model:
         env[ENV_MODEL] = model
-    paths = [str(AUTOSTART_DIR), str(_PACKAGE_PARENT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONPATH"] = child_pythonpath(AUTOSTART_DIR)
 
 
 def _write_topology(folder: str, topology: Topology) -> Path:

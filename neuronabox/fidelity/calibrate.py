@@ -583,12 +583,10 @@ def run_calibration(
                           backend=backend, device=device)
         if backend != "gloo":  # the host-coupling figures are a CPU library's
             plan.busy_repeats = plan.pair_repeats = plan.stall_repeats = 0
-        plan_file = Path(tmp) / "plan.json"
-        plan_file.write_text(json.dumps(asdict(plan)))
+        worker = _worker_command(plan, Path(tmp))
         with cluster_for(topology, cluster, say) as up:
             say(f"cluster {up.name} up; measuring {len(ops)} ops x up to {len(sizes)} sizes "
                 f"on {topology.world_size} ranks ({backend})")
-            worker = [sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)]
             _, codes = launch_real(up.name, topology, worker, None, timeout=timeout, record_only=False,
                                    log_dir=Path(tmp))
             measured = _read_measured(plan, codes, Path(tmp))
@@ -619,8 +617,8 @@ def run_intra_node(
     for one node of the topology's first kind. Each CPU rank is pinned to its own core (round
     robin past the cores); a GPU rank uses the GPU of its index.
     """
-    from ..emu.launch import free_port
-    from .validate import _PACKAGE_PARENT, rank_preexec, run_ranks
+    from ..emu.launch import child_pythonpath, free_port
+    from .validate import rank_preexec, run_ranks
 
     say = progress or (lambda msg: None)
     node = topology.nodes[0]
@@ -634,19 +632,16 @@ def run_intra_node(
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
                           out=str(Path(tmp) / "measured.json"), backend=backend, device=device,
                           busy_repeats=0, pair_repeats=0, stall_repeats=0)
-        plan_file = Path(tmp) / "plan.json"
-        plan_file.write_text(json.dumps(asdict(plan)))
+        worker = _worker_command(plan, Path(tmp))
         say(f"measuring {len(ops)} ops x up to {len(sizes)} sizes among {n} ranks of one {node.device} node "
             f"on this machine ({backend})")
         base = {k: v for k, v in os.environ.items() if not k.startswith("NBOX_")}
-        path = os.pathsep.join([str(_PACKAGE_PARENT)] + [x for x in base.get("PYTHONPATH", "").split(os.pathsep) if x])
-        port = free_port()
+        port, path = free_port(), child_pythonpath()
         envs = [dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=path) for r in range(n)]
         cores = sorted(os.sched_getaffinity(0))
         pres = [rank_preexec(None, cores[r % len(cores)] if device == "cpu" else None) for r in range(n)]
-        codes = run_ranks([sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)], envs, pres,
-                          timeout=timeout, log_dir=Path(tmp))
+        codes = run_ranks(worker, envs, pres, timeout=timeout, log_dir=Path(tmp))
         measured = _read_measured(plan, codes, Path(tmp))
     return {"ranks": n, "device": node.device, "library": library_info(backend),
             "ops": {k: v.as_dict() for k, v in _fit_measured(measured, n).items()},
@@ -665,6 +660,13 @@ def _backend_for(topology, ranks: int, part: str) -> tuple[str, str]:
         raise InputError(f"{topology.source}: emulation.library: nccl: {part} runs one real rank per GPU on this "
                          f"machine ({ranks} ranks, {gpus} GPUs here); set library: gloo to calibrate with CPU ranks")
     return "nccl", "cuda"
+
+
+def _worker_command(plan: "WorkerPlan", folder: Path) -> list[str]:
+    """The calibration ranks' command line, with ``plan`` written beside it for every rank to read."""
+    plan_file = folder / "plan.json"
+    plan_file.write_text(json.dumps(asdict(plan)))
+    return [sys.executable, "-m", "neuronabox.fidelity.calibrate", str(plan_file)]
 
 
 def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path) -> dict:

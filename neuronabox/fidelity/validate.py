@@ -72,7 +72,6 @@ __all__ = [
 
 MODES = ("model", "wire")
 RECORD_ONLY_DIR = Path(__file__).resolve().parent / "recordonly"
-_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 MASTER_PORT = 29517
 
 
@@ -203,6 +202,7 @@ def launch_real(
     if gloo_bind not in ("node", "iface"):
         raise ValueError(f"gloo_bind: node or iface, got {gloo_bind!r}")
     from ..cluster.state import ClusterState
+    from ..emu.launch import child_pythonpath
 
     st = ClusterState.load(cluster)
     plan = st.get("plan") or {}
@@ -211,8 +211,7 @@ def launch_real(
     cores = rank_cores(world)
     master = hosts[topology.nodes[topology.rank_node[0]].name]
     base = {k: v for k, v in os.environ.items() if not k.startswith("NBOX_") and k not in ("PYTHONPATH",)}
-    paths = ([str(RECORD_ONLY_DIR)] if record_only else []) + [str(_PACKAGE_PARENT)]
-    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    pythonpath = child_pythonpath(*([RECORD_ONLY_DIR] if record_only else []))
     envs, preexecs = [], []
     for rank in range(world):
         node = topology.nodes[topology.rank_node[rank]]
@@ -224,7 +223,7 @@ def launch_real(
             "LOCAL_WORLD_SIZE": str(node.ranks), "GROUP_RANK": str(node.index),
             "GROUP_WORLD_SIZE": str(len(topology.nodes)), "MASTER_ADDR": master["address"],
             "MASTER_PORT": str(MASTER_PORT),
-            "TORCHELASTIC_RUN_ID": f"nbox-validate-{cluster}", "PYTHONPATH": os.pathsep.join(paths),
+            "TORCHELASTIC_RUN_ID": f"nbox-validate-{cluster}", "PYTHONPATH": pythonpath,
             "NBOX_CLUSTER": cluster, "NBOX_NODE": node.name, "NBOX_NODE_ADDR": h["address"],
         })
         env.pop("GLOO_SOCKET_IFNAME", None)
@@ -358,8 +357,9 @@ def _run_emulated(
         t0 = time.monotonic()
         # A process that ends early (a twin that failed, or the measured rank) must not leave the
         # others waiting at the start gate: a thread per process marks the gate abandoned.
-        for proc in [p] + [tp for _, tp in twin_procs]:
-            threading.Thread(target=_abandon_when_ended, args=(proc, gate), daemon=True).start()
+        if twins:
+            for proc in [p] + [tp for _, tp in twin_procs]:
+                threading.Thread(target=_abandon_when_ended, args=(proc, gate), daemon=True).start()
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
