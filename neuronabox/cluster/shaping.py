@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import shlex
 import socket
 import struct
 import subprocess
@@ -292,7 +293,8 @@ def apply_loss(ns: Namespace, rules: list[list[str]], link_ids: set[int]) -> Non
         for line in listing:
             for lid in link_ids:
                 if f'"nbox:{lid}"' in line or f"nbox:{lid} " in line + " ":
-                    iptables(ns, ["-t", table, *line.replace("-A", "-D", 1).split()], check=False)
+                    # shlex: iptables -S quotes the comment, and a quote left in would match no rule.
+                    iptables(ns, ["-t", table, *shlex.split(line.replace("-A", "-D", 1))])
     for r in rules:
         iptables(ns, r)
 
