@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from .netns import DEFAULT_SUBNET, Namespace, build_network, ns_pids, plan_network, remove_namespaces
+from .netns import DEFAULT_SUBNET, Namespace, build_network, ns_pids, plan_network, remove_namespaces, wait_links_up
 from .relay import DEFAULT_PORT
 from .shaping import (
     LOSS_CHAIN,
@@ -293,6 +293,9 @@ def _up_netns(st: ClusterState, topo, subnet: str, shape: bool, rate_kind: str, 
         st.save()
     say(f"shaped {sum(1 for s in shapes.values() if s[0].rate > 0)} links ({'netem' if netem else 'tbf/htb; delay by relay (TCP) + nfqueue (ICMP/UDP)'})")
     _fault_point("shaping")
+    # Last, so that the kernel's link events settle while the shaping is set up.
+    waited = wait_links_up(plan)
+    say(f"links up ({waited:.2f} s)")
     if agent:
         _start_agent(st)
         _fault_point("agent")
