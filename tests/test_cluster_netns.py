@@ -547,6 +547,38 @@ def test_loss_and_metrics(pair):
     assert drops
 
 
+def shaping_state(name: str) -> dict[str, dict]:
+    """Per namespace of a cluster: its qdiscs, iptables rules and receive steering, as the kernel shows them."""
+    from neuronabox.cluster.steering import rps_masks
+
+    out = {}
+    for ns in sorted(n for n in list_namespaces() if n.startswith(f"nbx-{name}-")):
+        qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True,
+                                preexec_fn=Namespace(ns).preexec()).stdout.splitlines()
+        out[ns] = {"qdiscs": qdiscs, "iptables": ns_rules(ns), "rps": rps_masks(Namespace(ns).path)}
+    return out
+
+
+def test_setting_a_link_back_leaves_the_kernel_as_it_was(pair):
+    """Every shape field set and then set back: the same qdiscs, rules and steering as before (a
+    loss of 0 once left the drop rules in place, and a delay of 0 the relay's redirection)."""
+    call = agent(pair)
+    a, b = hosts(pair)
+    lk = "node0:0--switch"
+    before = shaping_state(pair)
+    was = call(f"/links/{lk}")
+    call(f"/links/{lk}", {"rate": 100e6 / 8, "delay": "2ms", "jitter": "1ms", "loss": "1%"})
+    shaped = shaping_state(pair)
+    assert shaped != before
+    view = call(f"/links/{lk}", {"rate": was["ab"]["rate"], "delay": 0, "jitter": 0, "loss": 0})
+    assert view["mechanisms"] == was["mechanisms"]
+    assert shaping_state(pair) == before
+    # And traffic takes the unshaped path again: no relay between the nodes.
+    relay = call("/health")["relay"]
+    send_bytes(a, b, 1_000_000)
+    assert call("/health")["relay"]["bytes"] == relay["bytes"]
+
+
 def test_bad_shape_requests_are_refused(pair):
     call = agent(pair)
     with pytest.raises(urllib.error.HTTPError) as e:

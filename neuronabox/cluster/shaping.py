@@ -286,17 +286,26 @@ def ensure_loss_chains(ns: Namespace) -> None:
 
 
 def apply_loss(ns: Namespace, rules: list[list[str]], link_ids: set[int]) -> None:
-    """Replace the loss rules of ``link_ids`` in ``ns`` by ``rules``."""
+    """Replace the loss rules of ``link_ids`` in ``ns`` by ``rules``; chains left empty go too."""
     ensure_loss_chains(ns)
+    left = 0
     for table in ("raw", "mangle"):
         listing = iptables(ns, ["-t", table, "-S", LOSS_CHAIN]).stdout.splitlines()
         for line in listing:
-            for lid in link_ids:
-                if f'"nbox:{lid}"' in line or f"nbox:{lid} " in line + " ":
-                    # shlex: iptables -S quotes the comment, and a quote left in would match no rule.
-                    iptables(ns, ["-t", table, *shlex.split(line.replace("-A", "-D", 1))])
+            if not line.startswith("-A "):
+                continue
+            if any(f'"nbox:{lid}"' in line or f"nbox:{lid} " in line + " " for lid in link_ids):
+                # shlex: iptables -S quotes the comment, and a quote left in would match no rule.
+                iptables(ns, ["-t", table, *shlex.split(line.replace("-A", "-D", 1))])
+            else:
+                left += 1
     for r in rules:
         iptables(ns, r)
+    if not rules and not left:
+        # No loss in this namespace any more: not even an empty chain on every packet's path.
+        for table, hook in (("raw", "PREROUTING"), ("mangle", "POSTROUTING")):
+            iptables(ns, ["-t", table, "-D", hook, "-j", LOSS_CHAIN])
+            iptables(ns, ["-t", table, "-X", LOSS_CHAIN])
 
 
 def delay_rules(relay_port: int, subnet: str) -> list[list[str]]:
