@@ -539,7 +539,7 @@ def test_loss_and_metrics(pair):
         view = call("/links/node1:0--switch", {"loss": 0})
     # Loss set back to 0 takes the drop rules away (they once stayed, and every later test lost 20%).
     assert view["mechanisms"]["loss"] == "none"
-    assert datagrams_through(a, b) == 1000
+    assert datagrams_through(a, b) >= 990  # ~800 with the rules left in; a host queue may still drop one
     metrics = call("/metrics")
     assert 'nbox_link_transmit_bytes_total{cluster="shp",direction="ab",link="node0:0--switch"}' in metrics
     assert "nbox_link_rate_bytes_per_second" in metrics and "nbox_link_loss_ratio" in metrics
