@@ -176,17 +176,17 @@ class Agent:
                 st.record("iptables", [{"ns": ns, "rule": r} for r in rules])
             for r in rules:
                 iptables(Namespace(ns), r)
-            self.relay_ns.add(ns)
         for ns in self.relay_ns - need:
             # No delay left: new connections go straight again (the relay costs throughput: it
             # tops out near 4-6 Gbit/s here). Connections it already carries keep their NAT
             # entry and it serves them to their end.
             for r in rules:
                 iptables(Namespace(ns), [*r[:2], "-D", *r[3:]])
-            self.relay_ns.discard(ns)
-        with ClusterState(self.name).locked() as st:
-            st.data["plan"]["relay_ns"] = sorted(self.relay_ns)
-            st.save()
+        if need != self.relay_ns:  # the state file is written only when the set changed
+            self.relay_ns = need
+            with ClusterState(self.name).locked() as st:
+                st.data["plan"]["relay_ns"] = sorted(need)
+                st.save()
         for ns, t in table.items():
             self._set_delays(ns, t)
 

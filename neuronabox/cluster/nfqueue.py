@@ -262,7 +262,7 @@ class DelayLine:
             t = max(t, self.last.get(flow, 0.0), now)
             self.last[flow] = t
             self.held += 1
-            if t <= now + 20e-6:  # due already: no trip through the timer (as the relay's chunks)
+            if self.timers.due(t):  # no trip through the timer (as the relay's chunks)
                 self._release(key, pid)
             else:
                 self.timers.at(t, lambda k=key, p=pid: self._release(k, p))

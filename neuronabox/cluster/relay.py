@@ -117,6 +117,8 @@ PR_SET_TIMERSLACK = 29
 # and a wake-up that comes early just re-arms for the (now short) remainder.
 EARLY_SHARE = 0.03
 EARLY_FIXED = 30e-6
+# Anything due within this long counts as due now: a timer for it would wake the loop later.
+DUE_SLACK = 20e-6
 
 
 class TimerQueue:
@@ -139,6 +141,10 @@ class TimerQueue:
         """Stop and release the timerfd."""
         self.loop.remove_reader(self.fd)
         os.close(self.fd)
+
+    def due(self, when: float) -> bool:
+        """True when ``when`` has come (within DUE_SLACK): act now, no timer."""
+        return when <= self.loop.time() + DUE_SLACK
 
     def at(self, when: float, cb: Callable[[], None]) -> None:
         """Call ``cb`` at monotonic time ``when``."""
@@ -168,7 +174,7 @@ class TimerQueue:
         now = self.loop.time()
         heap = self._heap
         try:
-            while heap and heap[0][0] <= now + 20e-6:
+            while heap and heap[0][0] <= now + DUE_SLACK:
                 _, _, cb = heapq.heappop(heap)
                 try:
                     cb()
@@ -230,7 +236,7 @@ class _Pipe:
         if self.scheduled or not self.queue or self.dst is None or self.dst_blocked:
             return
         self.scheduled = True
-        if self.queue[0][0] <= self.relay.loop.time() + 20e-6:
+        if self.relay.timers.due(self.queue[0][0]):
             # Due already (no delay left to hold): out now, not after a trip through the timer,
             # which cost every chunk a wake-up of the loop (tens of µs on the path's own latency).
             self._release()
@@ -241,7 +247,7 @@ class _Pipe:
         self.scheduled = False
         if self.dst is None or self.closed:
             return
-        now = self.relay.loop.time() + 20e-6
+        now = self.relay.loop.time() + DUE_SLACK
         out: list[bytes] = []
         while self.queue and self.queue[0][0] <= now:
             _, data = self.queue.popleft()

@@ -287,10 +287,11 @@ def ensure_loss_chains(ns: Namespace) -> None:
 
 def apply_loss(ns: Namespace, rules: list[list[str]], link_ids: set[int]) -> None:
     """Replace the loss rules of ``link_ids`` in ``ns`` by ``rules``; chains left empty go too."""
-    ensure_loss_chains(ns)
-    left = 0
+    left, chains = 0, False
     for table in ("raw", "mangle"):
-        listing = iptables(ns, ["-t", table, "-S", LOSS_CHAIN]).stdout.splitlines()
+        # A namespace that never had loss has no chain to list, and nothing to remove.
+        listing = iptables(ns, ["-t", table, "-S", LOSS_CHAIN], check=False).stdout.splitlines()
+        chains = chains or bool(listing)
         for line in listing:
             if not line.startswith("-A "):
                 continue
@@ -299,9 +300,11 @@ def apply_loss(ns: Namespace, rules: list[list[str]], link_ids: set[int]) -> Non
                 iptables(ns, ["-t", table, *shlex.split(line.replace("-A", "-D", 1))])
             else:
                 left += 1
-    for r in rules:
-        iptables(ns, r)
-    if not rules and not left:
+    if rules:
+        ensure_loss_chains(ns)
+        for r in rules:
+            iptables(ns, r)
+    elif chains and not left:
         # No loss in this namespace any more: not even an empty chain on every packet's path.
         for table, hook in (("raw", "PREROUTING"), ("mangle", "POSTROUTING")):
             iptables(ns, ["-t", table, "-D", hook, "-j", LOSS_CHAIN])
