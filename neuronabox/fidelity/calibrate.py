@@ -729,6 +729,14 @@ def _worker(plan_path: str) -> None:
         dist.all_reduce(ctl, op=dist.ReduceOp.MAX)
         return ctl.tolist()
 
+    def agree(values: list[float]) -> list[float]:
+        # A block of timings, each the slowest rank's, gathered once after the block: an op
+        # gathering each sample right after it slows the next (100 Mbit/s, 1 ms: 1 MiB 98.9-99.2
+        # ms against 92.3-94.2 with only the barrier between samples, 92.9-93.4 with compute).
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     for op_name in plan.ops:
         op = Op.parse(op_name)
         rows: list[dict] = []
@@ -760,7 +768,8 @@ def _worker(plan_path: str) -> None:
                 for _ in range(k):
                     call()
                 sync()
-                samples.append(decide([(time.perf_counter() - t) / k])[0])
+                samples.append((time.perf_counter() - t) / k)
+            samples = agree(samples)
             med = statistics.median(samples)
             rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples})
             if rank == 0:
@@ -790,7 +799,7 @@ def _worker(plan_path: str) -> None:
             print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.1f} us + {cpu['per_byte_s'] * 1e9:.3f} ns/B "
                   f"(all-reduce)", flush=True)
     if plan.pair_repeats > 0 and len(results.get(Op.ALL_REDUCE.value, [])) >= 2:
-        pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, decide)
+        pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, agree)
         if rank == 0:
             print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone, "
                   f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
@@ -865,12 +874,17 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
 
 def _timed(call: Callable[[], object], decide) -> float:
     """Seconds ``call()`` took on the slowest rank, every rank starting it together after a barrier."""
+    return decide([_after_barrier(call)])[0]
+
+
+def _after_barrier(call: Callable[[], object]) -> float:
+    """Seconds ``call()`` took on this rank, every rank starting it after a barrier."""
     import torch.distributed as dist
 
     dist.barrier()
     t = time.perf_counter()
     call()
-    return decide([time.perf_counter() - t])[0]
+    return time.perf_counter() - t
 
 
 def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
@@ -1017,7 +1031,7 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     return {"ranks": n, "cells": cells_out}
 
 
-def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
+def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, agree) -> dict:
     """Link time per byte of all-reduce when two run at once (gloo runs two ops of a group together), by size.
 
     One all-reduce leaves the link idle part of its time (the ring waits on each step's
@@ -1033,7 +1047,7 @@ def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
     """
     main = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
     latency = rows[0]["time_s"]
-    points = [_pair_point(size, plan.pair_repeats, latency, decide)
+    points = [_pair_point(size, plan.pair_repeats, latency, agree)
               for size in sorted({s for s in PAIR_SIZES if s < main} | {main})]
     top = points[-1]
     return {**top, "ranks": n, "points": [{k: v for k, v in pt.items() if not k.endswith("_samples")} for pt in points]}
@@ -1045,8 +1059,8 @@ def pair_ratios(concurrency: dict) -> list[tuple[int, float]]:
             if pt["single_s"] > 0]
 
 
-def _pair_point(size: int, repeats: int, latency: float, decide) -> dict:
-    """One size of ``_concurrency``: one all-reduce alone and two at once, alternating."""
+def _pair_point(size: int, repeats: int, latency: float, agree) -> dict:
+    """One size of ``_concurrency``: one all-reduce alone and two at once, alternating; the slowest rank's times."""
     import torch
     import torch.distributed as dist
 
@@ -1059,8 +1073,9 @@ def _pair_point(size: int, repeats: int, latency: float, decide) -> dict:
 
     single, pair = [], []
     for _ in range(repeats):
-        single.append(_timed(lambda: dist.all_reduce(a), decide))
-        pair.append(_timed(two, decide))
+        single.append(_after_barrier(lambda: dist.all_reduce(a)))
+        pair.append(_after_barrier(two))
+    single, pair = agree(single), agree(pair)
     t1, t2 = statistics.median(single), statistics.median(pair)
     nbytes = a.numel() * 4
     return {"size": nbytes, "single_s": t1, "pair_s": t2, "sec_per_byte": max(t2 - latency, 0.0) / (2 * nbytes),
