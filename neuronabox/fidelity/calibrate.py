@@ -717,22 +717,15 @@ def _worker(plan_path: str) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     dist.init_process_group(plan.backend)
     rank, n = dist.get_rank(), dist.get_world_size()
-    ctl = torch.zeros(3, dtype=torch.float64, device=device)
     results: dict[str, list[dict]] = {}
     unsupported: dict[str, str] = {}
     truncated: dict[str, int] = {}
 
-    def decide(values: list[float], src_max: bool = True) -> list[float]:
-        # Every rank must run the same number of ops: rank 0's decision (or the max) is everyone's.
-        ctl.zero_()
-        ctl[: len(values)] = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(ctl, op=dist.ReduceOp.MAX)
-        return ctl.tolist()
-
-    def agree(values: list[float]) -> list[float]:
-        # A block of timings, each the slowest rank's, gathered once after the block: an op
-        # gathering each sample right after it slows the next (100 Mbit/s, 1 ms: 1 MiB 98.9-99.2
-        # ms against 92.3-94.2 with only the barrier between samples, 92.9-93.4 with compute).
+    def decide(values: list[float]) -> list[float]:
+        # Every rank must run the same number of ops, and a timing is the slowest rank's: the max
+        # is everyone's. A block of timings is gathered once after the block: an op gathering each
+        # sample right after it slows the next (100 Mbit/s, 1 ms: 1 MiB 98.9-99.2 ms against
+        # 92.3-94.2 with only the barrier between samples, 92.9-93.4 with compute).
         t = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
@@ -769,7 +762,7 @@ def _worker(plan_path: str) -> None:
                     call()
                 sync()
                 samples.append((time.perf_counter() - t) / k)
-            samples = agree(samples)
+            samples = decide(samples)
             med = statistics.median(samples)
             rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples})
             if rank == 0:
@@ -799,7 +792,7 @@ def _worker(plan_path: str) -> None:
             print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.1f} us + {cpu['per_byte_s'] * 1e9:.3f} ns/B "
                   f"(all-reduce)", flush=True)
     if plan.pair_repeats > 0 and len(results.get(Op.ALL_REDUCE.value, [])) >= 2:
-        pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, agree)
+        pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, decide)
         if rank == 0:
             print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone, "
                   f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
@@ -1031,7 +1024,7 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     return {"ranks": n, "cells": cells_out}
 
 
-def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, agree) -> dict:
+def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
     """Link time per byte of all-reduce when two run at once (gloo runs two ops of a group together), by size.
 
     One all-reduce leaves the link idle part of its time (the ring waits on each step's
@@ -1047,7 +1040,7 @@ def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, agree) -> dict:
     """
     main = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
     latency = rows[0]["time_s"]
-    points = [_pair_point(size, plan.pair_repeats, latency, agree)
+    points = [_pair_point(size, plan.pair_repeats, latency, decide)
               for size in sorted({s for s in PAIR_SIZES if s < main} | {main})]
     top = points[-1]
     return {**top, "ranks": n, "points": [{k: v for k, v in pt.items() if not k.endswith("_samples")} for pt in points]}
@@ -1059,7 +1052,7 @@ def pair_ratios(concurrency: dict) -> list[tuple[int, float]]:
             if pt["single_s"] > 0]
 
 
-def _pair_point(size: int, repeats: int, latency: float, agree) -> dict:
+def _pair_point(size: int, repeats: int, latency: float, decide) -> dict:
     """One size of ``_concurrency``: one all-reduce alone and two at once, alternating; the slowest rank's times."""
     import torch
     import torch.distributed as dist
@@ -1075,7 +1068,7 @@ def _pair_point(size: int, repeats: int, latency: float, agree) -> dict:
     for _ in range(repeats):
         single.append(_after_barrier(lambda: dist.all_reduce(a)))
         pair.append(_after_barrier(two))
-    single, pair = agree(single), agree(pair)
+    single, pair = decide(single), decide(pair)
     t1, t2 = statistics.median(single), statistics.median(pair)
     nbytes = a.numel() * 4
     return {"size": nbytes, "single_s": t1, "pair_s": t2, "sec_per_byte": max(t2 - latency, 0.0) / (2 * nbytes),
