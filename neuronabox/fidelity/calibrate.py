@@ -865,11 +865,6 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     return {"per_op_s": per_op, "per_byte_s": per_byte, **extra}
 
 
-def _timed(call: Callable[[], object], decide) -> float:
-    """Seconds ``call()`` took on the slowest rank, every rank starting it together after a barrier."""
-    return decide([_after_barrier(call)])[0]
-
-
 def _after_barrier(call: Callable[[], object]) -> float:
     """Seconds ``call()`` took on this rank, every rank starting it after a barrier."""
     import torch.distributed as dist
@@ -884,20 +879,22 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     """How fast an all-reduce progresses while every rank computes, relative to idle ranks (0..1).
 
     A sample: all ranks start an async all-reduce of S bytes, compute (matrix products on the
-    main thread) for ``Tc`` = its idle time ``W``, then wait; the op took ``T``. Work left
-    after computing was ``W - r·Tc``, so ``T = Tc + W - r·Tc`` and ``r = 1 - (T - W)/Tc``.
-    ``Tc = W`` spans r = 0..1 over T = 2W..W, so a few ms of noise in one sample moves r
-    little (with W/2 the rate at 100 Mbit/s swung between 0.6 and 1.0). Idle and busy samples
-    alternate, so drift hits both; the rate is the median of 21 (of 9, it read 0.71-1.00 in six
-    calibrations of one 1 Gbit/s network).
+    main thread) for ``Tc`` = its time in the sweep, then wait; the op took ``T``, and ``W``
+    idle. Work left after computing was ``W - r·Tc``, so ``T = Tc + W - r·Tc`` and
+    ``r = 1 - (T - W)/Tc``. ``Tc ≈ W`` spans r = 0..1 over T = 2W..W, so a few ms of noise in
+    one sample moves r little (with W/2 the rate at 100 Mbit/s swung between 0.6 and 1.0). Idle
+    and busy samples alternate, so drift hits both; the rate is the median of 21 (of 9, it read
+    0.71-1.00 in six calibrations of one 1 Gbit/s network).
     """
     import torch
     import torch.distributed as dist
 
     # The smallest measured size whose all-reduce lasts the target: long enough to time well.
-    size = next((r["size"] for r in rows if r["time_s"] >= plan.busy_target_s), rows[-1]["size"])
-    x = torch.ones(max(1, size // 4))
+    # Its sweep time is the compute window: agreed already, so every rank computes as long.
+    row = next((r for r in rows if r["time_s"] >= plan.busy_target_s), rows[-1])
+    x = torch.ones(max(1, row["size"] // 4))
     a = torch.randn(128, 128)
+    tc = row["time_s"]
 
     def compute(until: float) -> int:
         done = 0
@@ -906,30 +903,31 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
             done += 1
         return done
 
-    idle, busy, windows, alone, beside = [], [], [], [], []
-    dist.all_reduce(x)
-    for _ in range(plan.busy_repeats):
-        idle.append(_timed(lambda: dist.all_reduce(x), decide))
-        w = statistics.median(idle)
-        tc = w
-        dist.barrier()
-        alone.append(compute(time.perf_counter() + tc))  # the same compute with no op in flight
-        dist.barrier()
+    def beside_op() -> None:
         t = time.perf_counter()
         work = dist.all_reduce(x, async_op=True)
         beside.append(compute(t + tc))
         work.wait()
-        busy.append(decide([time.perf_counter() - t])[0])
-        windows.append(tc)
+
+    idle, busy, alone, beside = [], [], [], []
+    dist.all_reduce(x)
+    for _ in range(plan.busy_repeats):
+        # Samples are gathered once after the block: an op agreeing each right after it slowed
+        # the next one timed (the sweep's lesson, 2a044bc).
+        idle.append(_after_barrier(lambda: dist.all_reduce(x)))
+        dist.barrier()
+        alone.append(compute(time.perf_counter() + tc))  # the same compute with no op in flight
+        busy.append(_after_barrier(beside_op))
+    both = decide(idle + busy)
+    idle, busy = both[:len(idle)], both[len(idle):]
     w = statistics.median(idle)
-    # Each sample against the idle time of all of them (a running median moved with the first few).
-    rates = [max(0.0, min(1.0, 1.0 - (took - w) / tc)) for took, tc in zip(busy, windows)]
+    rates = [max(0.0, min(1.0, 1.0 - (took - w) / tc)) for took in busy]
     # Compute each rank lost beside the op: its matrix products against the same window alone.
     rank, n = dist.get_rank(), dist.get_world_size()
     lost = torch.zeros(n, dtype=torch.float64)
     lost[rank] = w * max(0.0, 1.0 - statistics.median(beside) / max(statistics.median(alone), 1))
     dist.all_reduce(lost)
-    return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": w,
+    return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": tc,
             "idle_samples": idle, "busy_samples": busy, "rates": rates, "lost_compute_s": lost.tolist()}
 
 
