@@ -534,6 +534,12 @@ class WorkerPlan:
     # calibrations of 7 read 93.7 and 86.5 ns/B, and the DDP CNN +6.9 and +1.5 % (one pair
     # spread 187-208 ms within a calibration). 21 cost 4-9 s more.
     pair_repeats: int = 21
+    # The sweep visits every size this many times, each with a share of the budget, and the
+    # two-at-once measurement runs a share after each visit: an op's level moves over seconds here.
+    # At 100 Mbit/s the 1 MiB all-reduce's median read 93.3-99.8 ms in eight calibrations of one
+    # cluster, each from one 4 s window (92.8-94.8 in eight with three passes), and the MLP's
+    # model-mode iteration followed it (each profile within +-0.7 ms over three runs).
+    sweep_passes: int = 3
     stall_repeats: int = 32  # samples per (size, gap) of the op-after-compute measurement (0: skip it)
     stall_groups: int = 4  # spread over this many fresh process groups
     stall_gaps_s: tuple[float, ...] = (0.002, 0.006, 0.02)  # the compute before each of its ops
@@ -730,6 +736,7 @@ def _worker(plan_path: str) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
+    passes = max(1, plan.sweep_passes)
     for op_name in plan.ops:
         op = Op.parse(op_name)
         rows: list[dict] = []
@@ -752,19 +759,11 @@ def _worker(plan_path: str) -> None:
             sync()
             first = decide([time.perf_counter() - t])[0]
             k = max(1, min(1000, int(plan.sample_s / max(first, 1e-7))))
-            samples_n = max(plan.min_samples, min(plan.max_samples, int(plan.budget_s / max(first * k, 1e-7))))
-            samples = []
-            for _ in range(samples_n):
-                dist.barrier()
-                sync()
-                t = time.perf_counter()
-                for _ in range(k):
-                    call()
-                sync()
-                samples.append((time.perf_counter() - t) / k)
-            samples = decide(samples)
+            samples_n = max(-(-plan.min_samples // passes),
+                            min(plan.max_samples // passes, int(plan.budget_s / passes / max(first * k, 1e-7))))
+            samples = _sweep_samples(call, k, samples_n, sync, decide)
             med = statistics.median(samples)
-            rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples})
+            rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples, "passes": [samples_n]})
             if rank == 0:
                 print(f"{op.value:>14} {nbytes:>11} B  {med * 1e6:12.1f} us  (k={k}, {samples_n} samples)", flush=True)
             if op is Op.BARRIER:
@@ -774,6 +773,27 @@ def _worker(plan_path: str) -> None:
                 break
         if rows:
             results[op.value] = rows
+    # Two all-reduces at once, in a share after each pass: its figure is a ratio of two times,
+    # and both move with the level as the sweep's do.
+    ar_rows = results.get(Op.ALL_REDUCE.value, [])
+    pair_sizes = _pair_sizes(plan, ar_rows) if plan.pair_repeats > 0 and len(ar_rows) >= 2 else []
+    pairs: dict[int, tuple[list[float], list[float]]] = {}
+    for p in range(passes):
+        if p > 0:
+            for op_name, rows in results.items():
+                op = Op.parse(op_name)
+                for row in rows:
+                    call, _ = _op_call(op, row["size"], rank, n, device)
+                    call()
+                    sync()
+                    row["samples"] += _sweep_samples(call, row["k"], row["passes"][0], sync, decide)
+                    row["passes"].append(row["passes"][0])
+                    row["time_s"] = statistics.median(row["samples"])
+        for size in pair_sizes:
+            single, two = _pair_samples(size, -(-plan.pair_repeats // passes), decide)
+            pairs.setdefault(size, ([], []))
+            pairs[size][0].extend(single)
+            pairs[size][1].extend(two)
     busy = cpu = pair = stall = None
     if plan.stall_repeats > 0 and results.get(Op.ALL_REDUCE.value):
         stall = _spin_stall(plan, results[Op.ALL_REDUCE.value], decide)
@@ -791,8 +811,8 @@ def _worker(plan_path: str) -> None:
         if rank == 0 and cpu:
             print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.1f} us + {cpu['per_byte_s'] * 1e9:.3f} ns/B "
                   f"(all-reduce)", flush=True)
-    if plan.pair_repeats > 0 and len(results.get(Op.ALL_REDUCE.value, [])) >= 2:
-        pair = _concurrency(plan, results[Op.ALL_REDUCE.value], n, decide)
+    if pairs:
+        pair = _concurrency(ar_rows, n, pairs)
         if rank == 0:
             print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone, "
                   f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
@@ -801,6 +821,22 @@ def _worker(plan_path: str) -> None:
                                               "busy_progress": busy, "cpu_cost": cpu, "concurrency": pair,
                                               "spin_stall": stall}))
     dist.destroy_process_group()
+
+
+def _sweep_samples(call: Callable[[], object], k: int, count: int, sync, decide) -> list[float]:
+    """``count`` samples of ``k`` back-to-back calls each, every rank starting each after a barrier; seconds per call, the slowest rank's."""
+    import torch.distributed as dist
+
+    samples = []
+    for _ in range(count):
+        dist.barrier()
+        sync()
+        t = time.perf_counter()
+        for _ in range(k):
+            call()
+        sync()
+        samples.append((time.perf_counter() - t) / k)
+    return decide(samples)
 
 
 def _machine_busy_s() -> float:
@@ -1022,7 +1058,13 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     return {"ranks": n, "cells": cells_out}
 
 
-def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
+def _pair_sizes(plan: WorkerPlan, rows: list[dict]) -> list[int]:
+    """The sizes ``_concurrency`` measures: the main one (the smallest that takes ``busy_target_s`` x 3) and DDP's bucket sizes below it."""
+    main = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
+    return sorted({s for s in PAIR_SIZES if s < main} | {main})
+
+
+def _concurrency(rows: list[dict], n: int, pairs: dict[int, tuple[list[float], list[float]]]) -> dict:
     """Link time per byte of all-reduce when two run at once (gloo runs two ops of a group together), by size.
 
     One all-reduce leaves the link idle part of its time (the ring waits on each step's
@@ -1034,12 +1076,16 @@ def _concurrency(plan: WorkerPlan, rows: list[dict], n: int, decide) -> dict:
     the link, not the start, dominates); ``points`` adds DDP's bucket sizes below it, where the
     share differs: at 10 Gbit/s two 64 MiB ops read 1.4 ns/B, a 1 MiB and a 0.5 MiB one 2.9-4.0
     ms together against 3.3-4.6 one after the other (0.9 of serial, where the 64 MiB figure lets
-    the model overlap a third of each). Single and pair samples alternate; medians.
+    the model overlap a third of each). ``pairs``: per size, the samples of one alone and of two
+    at once (``_pair_samples``); medians.
     """
-    main = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
     latency = rows[0]["time_s"]
-    points = [_pair_point(size, plan.pair_repeats, latency, decide)
-              for size in sorted({s for s in PAIR_SIZES if s < main} | {main})]
+    points = []
+    for size, (single, two) in sorted(pairs.items()):
+        t1, t2 = statistics.median(single), statistics.median(two)
+        points.append({"size": size, "single_s": t1, "pair_s": t2,
+                       "sec_per_byte": max(t2 - latency, 0.0) / (2 * size),
+                       "single_samples": single, "pair_samples": two})
     top = points[-1]
     return {**top, "ranks": n, "points": [{k: v for k, v in pt.items() if not k.endswith("_samples")} for pt in points]}
 
@@ -1050,8 +1096,8 @@ def pair_ratios(concurrency: dict) -> list[tuple[int, float]]:
             if pt["single_s"] > 0]
 
 
-def _pair_point(size: int, repeats: int, latency: float, decide) -> dict:
-    """One size of ``_concurrency``: one all-reduce alone and two at once, alternating; the slowest rank's times."""
+def _pair_samples(size: int, repeats: int, decide) -> tuple[list[float], list[float]]:
+    """Seconds of one all-reduce of ``size`` bytes alone and of two at once, alternating; the slowest rank's."""
     import torch
     import torch.distributed as dist
 
@@ -1066,11 +1112,8 @@ def _pair_point(size: int, repeats: int, latency: float, decide) -> dict:
     for _ in range(repeats):
         single.append(_after_barrier(lambda: dist.all_reduce(a)))
         pair.append(_after_barrier(two))
-    single, pair = decide(single), decide(pair)
-    t1, t2 = statistics.median(single), statistics.median(pair)
-    nbytes = a.numel() * 4
-    return {"size": nbytes, "single_s": t1, "pair_s": t2, "sec_per_byte": max(t2 - latency, 0.0) / (2 * nbytes),
-            "single_samples": single, "pair_samples": pair}
+    both = decide(single + pair)
+    return both[:repeats], both[repeats:]
 
 
 def _op_call(op: Op, size: int, rank: int, n: int, device=None):
