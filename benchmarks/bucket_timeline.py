@@ -23,6 +23,7 @@ in the real system, 5.0-5.4 in model mode: the iteration agrees for two errors t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -57,13 +58,59 @@ def phases(log: dict, warmup: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--network", default="10Gbit-10us", choices=list(NETWORKS))
+def workload_args(p: argparse.ArgumentParser, network: str) -> None:
+    """The arguments of the diagnostics that run a workload on one cluster: its network, the workload, the rounds."""
+    p.add_argument("--network", default=network, choices=list(NETWORKS))
     p.add_argument("--arch", default="mlp", choices=["mlp", "cnn", "transformer"])
     p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each system")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
+
+
+@contextlib.contextmanager
+def workload_cluster(network: str, short: str):
+    """A 2-node netns cluster of the table's kind and a scratch folder: (folder, topology file, topology, name)."""
+    from neuronabox.cluster import runtime as rt
+    from neuronabox.topology import load_topology
+
+    bw, lat = NETWORKS[network]
+    with tempfile.TemporaryDirectory(prefix=f"nbox-{short}-") as tmp:
+        tmpd = Path(tmp)
+        os.environ.setdefault("NBOX_STATE_DIR", str(tmpd / "state"))
+        topo_file = tmpd / "topology.yaml"
+        topo_file.write_text(TOPOLOGY.format(key=network.lower(), bw=bw, lat=lat, noise="true"))
+        topo = load_topology(topo_file)
+        name = f"{short}{os.getpid() % 10000}"
+        up = rt.up(topo, runtime="netns", name=name)
+        try:
+            yield tmpd, topo_file, topo, name
+        finally:
+            if not up.already_up:
+                rt.down(name)
+
+
+def run_workload(cluster, args, log: Path, mode: str, profile: Path | None, env: dict | None = None):
+    """One run of the workload with its bucket log, real (mode ``real``) or emulated: (status, phases or None)."""
+    from neuronabox.fidelity.validate import _run_emulated, launch_real, rank_cores, twin_ranks
+
+    tmpd, topo_file, topo, name = cluster
+    cmd = [sys.executable, str(ROOT / "examples" / "fidelity_models.py"), "--arch", args.arch,
+           "--steps", str(args.steps), "--bucket-log", str(log)]
+    if mode == "real":
+        rc, _ = launch_real(name, topo, cmd, None, record_only=False)
+    else:
+        with mock.patch.dict(os.environ, env or {}):  # the emulated run and its twin inherit it
+            rc = _run_emulated(topo_file, cmd, mode, tmpd / "report.json", rank_cores(topo.world_size)[0], name,
+                               None, profile, tmpd / "emulated.log", 300.0, twins=twin_ranks(topo.world_size, 0))
+    got = Path(f"{log}.rank0.json")
+    if rc != 0 or not got.exists():
+        return rc, None
+    return rc, phases(json.loads(got.read_text()), args.warmup)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    workload_args(p, "10Gbit-10us")
     p.add_argument("--modes", default="model", help="emulated modes to run beside the real system: model, wire")
     p.add_argument("--env", action="append", default=[], metavar="[MODE:]NAME=VALUE",
                    help="also run model mode (or MODE) with this environment variable set (repeatable)")
@@ -74,10 +121,7 @@ def main() -> int:
         print("bucket_timeline: needs root (the real system runs in network namespaces)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from neuronabox.cluster import runtime as rt
     from neuronabox.fidelity.calibrate import save_profile
-    from neuronabox.fidelity.validate import _run_emulated, launch_real, rank_cores, twin_ranks
-    from neuronabox.topology import load_topology
 
     # (label, mode, environment it adds): the real system, each mode, each --env run.
     runners = [("real", "real", {})] + [(m, m, {}) for m in (m.strip() for m in args.modes.split(",")) if m]
@@ -86,45 +130,23 @@ def main() -> int:
         key, _, value = kv.partition("=")
         runners.append((f"{mode} {kv}", mode, {key: value}))
     systems = [label for label, _, _ in runners]
-    bw, lat = NETWORKS[args.network]
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
-    with tempfile.TemporaryDirectory(prefix="nbox-buckets-") as tmp:
-        tmpd = Path(tmp)
-        os.environ.setdefault("NBOX_STATE_DIR", str(tmpd / "state"))
-        topo_file = tmpd / "topology.yaml"
-        topo_file.write_text(TOPOLOGY.format(key=args.network.lower(), bw=bw, lat=lat, noise="true"))
-        topo = load_topology(topo_file)
-        name = f"bkt{os.getpid() % 10000}"
-        up = rt.up(topo, runtime="netns", name=name)
-        try:
-            profile = args.profile
-            if profile is None:
-                t0 = time.perf_counter()
-                profile = tmpd / "profile.json"
-                save_profile(calibrate(topo, name), profile)
-                print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
-            core0 = rank_cores(topo.world_size)[0]
-            for rnd in range(args.rounds):
-                for i, (system, mode, env) in enumerate(runners):
-                    log = tmpd / f"{rnd}-{i}"
-                    cmd = [sys.executable, str(ROOT / "examples" / "fidelity_models.py"), "--arch", args.arch,
-                           "--steps", str(args.steps), "--bucket-log", str(log)]
-                    if mode == "real":
-                        rc, _ = launch_real(name, topo, cmd, None, record_only=False)
-                    else:
-                        with mock.patch.dict(os.environ, env):  # the emulated run and its twin inherit it
-                            rc = _run_emulated(topo_file, cmd, mode, tmpd / "report.json", core0, name, None, profile,
-                                               tmpd / "emulated.log", 300.0, twins=twin_ranks(topo.world_size, 0))
-                    got = Path(f"{log}.rank0.json")
-                    if rc != 0 or not got.exists():
-                        print(f"round {rnd + 1} {system}: failed (status {rc})", file=sys.stderr)
-                        continue
-                    runs[system].append(phases(json.loads(got.read_text()), args.warmup))
-                    it = runs[system][-1]["iteration"]
-                    print(f"round {rnd + 1} {system}: iteration {it * 1e3:.2f} ms", flush=True)
-        finally:
-            if not up.already_up:
-                rt.down(name)
+    with workload_cluster(args.network, "bkt") as cluster:
+        tmpd, _, topo, name = cluster
+        profile = args.profile
+        if profile is None:
+            t0 = time.perf_counter()
+            profile = tmpd / "profile.json"
+            save_profile(calibrate(topo, name), profile)
+            print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+        for rnd in range(args.rounds):
+            for i, (system, mode, env) in enumerate(runners):
+                rc, ph = run_workload(cluster, args, tmpd / f"{rnd}-{i}", mode, profile, env)
+                if ph is None:
+                    print(f"round {rnd + 1} {system}: failed (status {rc})", file=sys.stderr)
+                    continue
+                runs[system].append(ph)
+                print(f"round {rnd + 1} {system}: iteration {ph['iteration'] * 1e3:.2f} ms", flush=True)
     keys = list(runs["real"][0]) if runs["real"] else []
     print(f"\n{args.network} {args.arch}: medians over the rounds of each run's medians "
           "(ms; bucket issue times from the end of the forward)")

@@ -25,7 +25,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bucket_timeline import phases  # noqa: E402  (one run's per-step medians)
-from fidelity_table import NETWORKS, TOPOLOGY, calibrate  # noqa: E402  (the table's clusters and calibration)
+from bucket_timeline import run_workload, workload_args, workload_cluster  # noqa: E402  (one cluster, its runs)
+from fidelity_table import calibrate  # noqa: E402  (the table's calibration)
 
 MIB = 1 << 20
 
@@ -56,12 +55,8 @@ def summary(runs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--network", default="100Mbit-1ms", choices=list(NETWORKS))
-    p.add_argument("--arch", default="mlp", choices=["mlp", "cnn", "transformer"])
+    workload_args(p, "100Mbit-1ms")
     p.add_argument("--profiles", type=int, default=4, help="calibrations of the one cluster")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each system")
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--keep", type=Path, help="keep the profiles here (and reuse those already there)")
     p.add_argument("--json", type=Path, help="write the runs and each profile's figures here")
     args = p.parse_args()
@@ -69,56 +64,33 @@ def main() -> int:
         print("calibration_spread: needs root (the real system runs in network namespaces)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from neuronabox.cluster import runtime as rt
     from neuronabox.fidelity.calibrate import load_profile, save_profile
-    from neuronabox.fidelity.validate import _run_emulated, launch_real, rank_cores, twin_ranks
-    from neuronabox.topology import load_topology
 
-    bw, lat = NETWORKS[args.network]
     systems = ["real"] + [f"profile {i}" for i in range(args.profiles)]
     runs: dict[str, list[float]] = {s: [] for s in systems}
     figures: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="nbox-spread-") as tmp:
-        tmpd = Path(tmp)
+    with workload_cluster(args.network, "spr") as cluster:
+        tmpd, _, topo, name = cluster
         keep = args.keep or tmpd / "profiles"
         keep.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("NBOX_STATE_DIR", str(tmpd / "state"))
-        topo_file = tmpd / "topology.yaml"
-        topo_file.write_text(TOPOLOGY.format(key=args.network.lower(), bw=bw, lat=lat, noise="true"))
-        topo = load_topology(topo_file)
-        name = f"spr{os.getpid() % 10000}"
-        up = rt.up(topo, runtime="netns", name=name)
-        try:
-            profiles = []
-            for i in range(args.profiles):
-                path = keep / f"profile{i}.json"
-                if not path.exists():
-                    t0 = time.perf_counter()
-                    save_profile(calibrate(topo, name), path)
-                    print(f"profile {i}: calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
-                profiles.append(path)
-                figures[f"profile {i}"] = profile_figures(load_profile(path))
-            core0 = rank_cores(topo.world_size)[0]
-            for rnd in range(args.rounds):
-                for s in systems:
-                    log = tmpd / f"{rnd}-{s.replace(' ', '')}"
-                    cmd = [sys.executable, str(ROOT / "examples" / "fidelity_models.py"), "--arch", args.arch,
-                           "--steps", str(args.steps), "--bucket-log", str(log)]
-                    if s == "real":
-                        rc, _ = launch_real(name, topo, cmd, None, record_only=False)
-                    else:
-                        rc = _run_emulated(topo_file, cmd, "model", tmpd / "report.json", core0, name, None,
-                                           profiles[int(s.split()[1])], tmpd / "emulated.log", 300.0,
-                                           twins=twin_ranks(topo.world_size, 0))
-                    got = Path(f"{log}.rank0.json")
-                    if rc != 0 or not got.exists():
-                        print(f"round {rnd + 1} {s}: failed (status {rc})", file=sys.stderr)
-                        continue
-                    runs[s].append(phases(json.loads(got.read_text()), args.warmup)["iteration"])
-                    print(f"round {rnd + 1} {s}: iteration {runs[s][-1] * 1e3:.2f} ms", flush=True)
-        finally:
-            if not up.already_up:
-                rt.down(name)
+        profiles = []
+        for i in range(args.profiles):
+            path = keep / f"profile{i}.json"
+            if not path.exists():
+                t0 = time.perf_counter()
+                save_profile(calibrate(topo, name), path)
+                print(f"profile {i}: calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+            profiles.append(path)
+            figures[f"profile {i}"] = profile_figures(load_profile(path))
+        for rnd in range(args.rounds):
+            for s in systems:
+                mode, profile = ("real", None) if s == "real" else ("model", profiles[int(s.split()[1])])
+                rc, ph = run_workload(cluster, args, tmpd / f"{rnd}-{s.replace(' ', '')}", mode, profile)
+                if ph is None:
+                    print(f"round {rnd + 1} {s}: failed (status {rc})", file=sys.stderr)
+                    continue
+                runs[s].append(ph["iteration"])
+                print(f"round {rnd + 1} {s}: iteration {runs[s][-1] * 1e3:.2f} ms", flush=True)
     print(f"\n{args.network} {args.arch}: iteration medians of each run (ms)")
     for s in systems:
         line = f"{s:>10}: " + " ".join(f"{v * 1e3:.2f}" for v in runs[s])
