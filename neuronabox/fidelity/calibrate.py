@@ -763,7 +763,7 @@ def _worker(plan_path: str) -> None:
                             min(plan.max_samples // passes, int(plan.budget_s / passes / max(first * k, 1e-7))))
             samples = _sweep_samples(call, k, samples_n, sync, decide)
             med = statistics.median(samples)
-            rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples, "passes": [samples_n]})
+            rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples, "per_pass": samples_n})
             if rank == 0:
                 print(f"{op.value:>14} {nbytes:>11} B  {med * 1e6:12.1f} us  (k={k}, {samples_n} samples)", flush=True)
             if op is Op.BARRIER:
@@ -786,14 +786,13 @@ def _worker(plan_path: str) -> None:
                     call, _ = _op_call(op, row["size"], rank, n, device)
                     call()
                     sync()
-                    row["samples"] += _sweep_samples(call, row["k"], row["passes"][0], sync, decide)
-                    row["passes"].append(row["passes"][0])
+                    row["samples"] += _sweep_samples(call, row["k"], row["per_pass"], sync, decide)
                     row["time_s"] = statistics.median(row["samples"])
         for size in pair_sizes:
             single, two = _pair_samples(size, -(-plan.pair_repeats // passes), decide)
-            pairs.setdefault(size, ([], []))
-            pairs[size][0].extend(single)
-            pairs[size][1].extend(two)
+            singles, twos = pairs.setdefault(size, ([], []))
+            singles.extend(single)
+            twos.extend(two)
     busy = cpu = pair = stall = None
     if plan.stall_repeats > 0 and results.get(Op.ALL_REDUCE.value):
         stall = _spin_stall(plan, results[Op.ALL_REDUCE.value], decide)
