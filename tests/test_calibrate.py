@@ -11,6 +11,7 @@ import pytest
 from neuronabox.collectives import Op
 from neuronabox.errors import InputError
 from neuronabox.fidelity.calibrate import (
+    cpu_cost_rows,
     default_sizes,
     fit_piecewise,
     link_estimate,
@@ -195,6 +196,17 @@ def test_link_estimate_takes_the_median_large_size_bandwidth():
     assert est["ops"] == ["all_reduce", "broadcast"] and est["payload_Bps"] == pytest.approx(11.5e6)
     assert est["all_reduce_payload_Bps"] == pytest.approx(11e6)
     assert math.isclose(est["wire_Bps"], est["payload_Bps"] * 1514 / 1448)
+
+
+def test_the_cpu_cost_is_measured_where_gradient_buckets_are_not_only_at_the_largest_sizes():
+    # 10 Gbit/s-like sweep: 4 B .. 64 MiB, 0.3 ms up to 125 ms.
+    rows = [{"size": s, "time_s": 3e-4 + s / 0.55e9} for s in default_sizes(4, 64 << 20)]
+    sizes = [r["size"] for r in cpu_cost_rows(rows)]
+    assert len(sizes) == 6 and sizes[0] == 64 << 10 and sizes[-1] == 64 << 20
+    assert 1 << 20 in sizes or 2 << 20 in sizes  # a DDP first bucket's neighbourhood is measured
+    slow = [{"size": s, "time_s": 2e-3 + s / 11e6} for s in default_sizes(4, 64 << 20)]  # 100 Mbit/s: up to 0.2 s
+    assert [r["size"] for r in cpu_cost_rows(slow)] == [64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20]
+    assert cpu_cost_rows([{"size": 4, "time_s": 1e-3}]) == []
 
 
 def test_calibrate_writes_the_profile_the_topology_names_even_before_it_exists(tmp_path):

@@ -846,6 +846,27 @@ def _machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+CPU_COST_MIN_BYTES = 64 << 10  # DDP's gradient buckets and up: the line must hold where training's ops are
+CPU_COST_POINTS = 6
+
+
+def cpu_cost_rows(rows: list[dict]) -> list[dict]:
+    """The sweep rows the CPU cost is measured at: up to six, evenly spread over those from 64 KiB that take at most 0.2 s.
+
+    The line fitted through them is what model mode spends for every op, so it has to hold at a
+    gradient bucket's size. Three sizes of 5-200 ms (4, 16 and 64 MiB at 10 Gbit/s) put its
+    intercept at 1.75 ms, and a 1 MiB all-reduce at 3.1 ms of CPU per rank, more than its 2.5 ms
+    of wall time: the 10 Gbit/s MLP's backward lost 1.2 ms more to the footprint than to gloo
+    (its second bucket issued 3.1 ms after the forward, 2.0 in the real system). Measured from
+    128 KiB up, 1 MiB cost 1.5 ms and the fit 0.26 ms + 1.29 ns/B; the bucket issued at 1.8 ms.
+    """
+    picks = [r for r in rows if r["size"] >= CPU_COST_MIN_BYTES and r["time_s"] <= 0.2]
+    if len(picks) <= CPU_COST_POINTS:
+        return picks
+    at = sorted({round(i * (len(picks) - 1) / (CPU_COST_POINTS - 1)) for i in range(CPU_COST_POINTS)})
+    return [picks[i] for i in at]
+
+
 def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     """CPU per rank that an all-reduce costs the host, as a line in the size; and the ranks' own share.
 
@@ -854,8 +875,8 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     threads, the kernel's TCP and softirqs, and, on an ``nbox up`` cluster, the relay that delays
     its links (at 100 Mbit/s 32 ms per 2 MiB all-reduce against 4.6 ms in each rank's process).
     That is what the compute beside the op loses on this host, so it is what model mode spends.
-    ``process_per_byte_s`` (each rank's own process CPU) is kept for the record. Measured at up
-    to three sizes that take 5-200 ms; each window lasts at least 1 s (the kernel counts in
+    ``process_per_byte_s`` (each rank's own process CPU) is kept for the record. Measured at the
+    sizes of ``cpu_cost_rows``; each window lasts at least 1 s (the kernel counts in
     10 ms ticks), and the idle rate comes from 0.5 s idle windows before each, pooled (it was
     one 0.3 s window: 3 ticks of noise). The cost itself still varies between calibrations: at
     100 Mbit/s 5.6, 9.4 and 12.3 ns/B per rank with the shorter windows, 7.5, 9.8 and 9.6 in
@@ -864,10 +885,9 @@ def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    picks = [r for r in rows if 0.005 <= r["time_s"] <= 0.2]
+    picks = cpu_cost_rows(rows)
     if not picks:
         return None
-    picks = [picks[0], picks[len(picks) // 2], picks[-1]] if len(picks) >= 3 else picks
     idle_busy = idle_wall = 0.0
     windows, own = [], []
     for r in picks:
