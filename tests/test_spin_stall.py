@@ -98,6 +98,17 @@ def test_an_op_issued_on_an_idle_communicator_lasts_its_stall_longer():
     assert later.stall == 0.003 and later.as_dict()["stall"] == 0.003
 
 
+def test_an_op_drawn_faster_than_the_profile_s_time_is_shorter_not_early():
+    # The sweep's median can sit between two modes: an op after compute that took the fast one
+    # took less than it, down to a floor for sizes far from the measured one.
+    tl = _timeline(SpinStall.from_profile(profile([(4, 0.02, [[-0.0004, 0.0, 0.0]]), (1 << 20, 0.02, [[0.003, 0.0, 0.0]])])))
+    t = time.perf_counter()
+    fast = tl.schedule(Op.ALL_REDUCE, 4, ready=t)
+    assert fast.stall == 0.0 and fast.start == pytest.approx(t) and fast.duration == pytest.approx(0.0006)
+    tl2 = _timeline(SpinStall.from_profile(profile([(4, 0.02, [[-0.005, 0.0, 0.0]]), (1 << 20, 0.02, [[0.003, 0.0, 0.0]])])))
+    assert tl2.schedule(Op.ALL_REDUCE, 4, ready=t).duration == pytest.approx(0.0001)  # FASTEST_SHARE of 1 ms
+
+
 def test_the_real_rank_s_own_spin_is_spent_on_its_core_unscaled_and_never_holds_the_op():
     from neuronabox.emu.footprint import Footprint
 

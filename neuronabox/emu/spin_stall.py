@@ -111,14 +111,19 @@ class SpinStall:
         return [(1.0 - w, self._cells[(size, gaps[i - 1])]), (w, self._cells[(size, gaps[i])])]
 
     def draw(self, nbytes: int, gap: float) -> tuple[float, float]:
-        """(seconds the op waits before its bytes move, CPU seconds this rank's core spins) for one op of ``nbytes`` issued ``gap`` s after the last."""
+        """(wall excess over the profile's time, CPU seconds this rank's core spins) for one op of ``nbytes`` issued ``gap`` s after the last.
+
+        A positive excess is a wait before the bytes move; a negative one (a profile's samples
+        keep the sign since the CPU cost moved to 64 KiB and up) an op faster than the sweep's
+        median, which at 10 Gbit/s sits between two modes.
+        """
         cells = self._cells_for(nbytes, gap)
         rows = cells[0][1] if len(cells) == 1 or self._rng.random() < cells[0][0] else cells[1][1]
         row = self._rng.choice(rows)
         cpus = row[1:]
         own = self._rng.choice(cpus) if cpus else 0.0
-        wall = max(cpus, default=0.0) if self._spin_only else row[0]
-        return max(0.0, wall), max(0.0, own)
+        wall = max(max(cpus, default=0.0), 0.0) if self._spin_only else row[0]
+        return wall, max(0.0, own)
 
     def mean(self, nbytes: int, gap: float) -> tuple[float, float]:
         """Mean (wall excess, one rank's CPU excess) at ``nbytes`` and ``gap``: what the draws average to."""

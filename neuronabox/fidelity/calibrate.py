@@ -1067,7 +1067,11 @@ def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     for (size, gap), w in walls.items():
         # Wall time against the sweep's (what the profile's fit holds): an op after compute is
         # slower even when no rank spins (10 Gbit/s, 2 MiB: 3.8 ms at best, 2.6 in the sweep).
-        w_ex = [max(0.0, v - picks[size]) for v in w]
+        # Signed: the sweep's own samples can be two modes (10 Gbit/s, 512 KiB: 0.55 ms or 2-3.6),
+        # its median between them, and an op after compute that took the fast one took less.
+        # Clamped at 0, the draws averaged more than the samples did: every sample's noise below
+        # the sweep's median counted as none, every one above it as a stall.
+        w_ex = [v - picks[size] for v in w]
         c_ex = list(zip(*[excess([c[r] for c in cpus[(size, gap)]]) for r in range(n)]))
         spun = [x for x, c in zip(w_ex, c_ex) if max(c) > 0]
         cells_out.append({"size": bufs[size].numel() * 4, "gap_s": gap, "swept_s": picks[size],
