@@ -61,15 +61,14 @@ def tmp_yaml(tmp_path):
 def private_cluster_state(tmp_path_factory, prefix: str):
     """A module's own NBOX_STATE_DIR; clusters left in it are taken down at the end (use with ``yield from``)."""
     from neuronabox.cluster import runtime as rt
-    from neuronabox.cluster.state import ClusterState
+    from neuronabox.cluster.state import list_clusters
 
     old = os.environ.get("NBOX_STATE_DIR")
     d = tmp_path_factory.mktemp(prefix)
     os.environ["NBOX_STATE_DIR"] = str(d)
     yield d
-    for name in os.listdir(d):
-        if ClusterState.exists(name):
-            rt.down(name)
+    for name in list_clusters():  # not every entry is a cluster: a broken one's kept agent log
+        rt.down(name)
     if old is None:
         os.environ.pop("NBOX_STATE_DIR", None)
     else:

@@ -660,6 +660,27 @@ def test_up_again_after_a_crash_rebuilds(tmp_path):
         rt.down(name)
 
 
+def test_up_rebuilds_a_cluster_whose_agent_died_and_keeps_the_agent_s_log(tmp_path):
+    name = "ad"
+    yaml = tmp_path / "s.yaml"
+    yaml.write_text("cluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps, latency: 1ms}}\n")
+    rt.up(yaml, runtime="netns", name=name)
+    try:
+        agent = next(p for p in ClusterState.load(name)["processes"] if p.get("role") == "agent")
+        os.kill(agent["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while rt.status(name)[0]["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        said: list[str] = []
+        res = rt.up(yaml, runtime="netns", name=name, progress=said.append)
+        assert not res.already_up and all_pairs_connect(name)[0] == 2
+        kept = ClusterState(name).dir.parent / f"{name}.agent.log"
+        assert any(f"pid {agent['pid']}) is not running" in m and str(kept) in m for m in said), said
+        assert kept.is_file()
+    finally:
+        rt.down(name)
+
+
 def test_cli_verbs(tmp_path):
     from typer.testing import CliRunner
 

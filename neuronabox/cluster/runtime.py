@@ -169,14 +169,20 @@ def up(
     # The lock makes a second `up` of the same name wait, then find the cluster up.
     with st.locked():
         if st.path.exists():
-            if st.get("phase") == "up" and _healthy(st):
+            broken = _broken(st) if st.get("phase") == "up" else ""
+            if st.get("phase") == "up" and not broken:
                 if st.get("topology_name") != topo.name or st.get("runtime") != runtime:
                     raise InputError(
                         f"cluster {name!r} is already up with topology {st.get('topology_name')!r} "
                         f"({st.get('runtime')}); run `nbox down {name}` first or pick another --name"
                     )
                 return _result(st, already_up=True, notes=notes + [f"cluster {name!r} is already up"])
-            say(f"cluster {name!r} was left half made (phase {st.get('phase')!r}); removing it first")
+            if broken:
+                kept = _keep_agent_log(st)
+                say(f"cluster {name!r} is broken ({broken}); removing it first"
+                    + (f" (its agent's log: {kept})" if kept else ""))
+            else:
+                say(f"cluster {name!r} was left half made (phase {st.get('phase')!r}); removing it first")
             down(name, keep_lock=True)
             st = ClusterState(name)
         try:
@@ -358,12 +364,31 @@ def _alive(p: dict) -> bool:
         return False
 
 
-def _healthy(st: ClusterState) -> bool:
+def _broken(st: ClusterState) -> str:
+    """What makes a cluster unusable (a namespace gone, the agent not running), or '' when nothing does."""
     if st.get("runtime") == "local":
-        return True
-    if not all(Namespace(n["name"]).exists() for n in st["namespaces"]):
-        return False
-    return all(_alive(p) for p in st["processes"] if p.get("role") == "agent")
+        return ""
+    gone = [n["name"] for n in st["namespaces"] if not Namespace(n["name"]).exists()]
+    if gone:
+        return f"namespace {gone[0]} is gone" + (f", and {len(gone) - 1} more" if len(gone) > 1 else "")
+    dead = [p for p in st["processes"] if p.get("role") == "agent" and not _alive(p)]
+    return f"its shaping agent (pid {dead[0].get('pid')}) is not running" if dead else ""
+
+
+def _healthy(st: ClusterState) -> bool:
+    return not _broken(st)
+
+
+def _keep_agent_log(st: ClusterState) -> Path | None:
+    """Copy a broken cluster's agent log beside its state directory, which ``down`` removes: why it died."""
+    src = st.dir / "agent.log"
+    if not src.is_file():
+        return None
+    dst = st.dir.parent / f"{st.name}.agent.log"  # the latest broken one per name: a post-mortem, not a history
+    with contextlib.suppress(OSError):
+        shutil.copyfile(src, dst)
+        return dst
+    return None
 
 
 def _result(st: ClusterState, seconds: float = 0.0, already_up: bool = False, notes=()) -> UpResult:

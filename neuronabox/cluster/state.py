@@ -1,6 +1,8 @@
 """The cluster state file: everything ``nbox up`` makes, written down before it is made.
 
-Layout: ``$NBOX_STATE_DIR/<name>/state.json`` (default ``/run/neuronabox`` for root). Every write is
+Layout: ``$NBOX_STATE_DIR/<name>/state.json`` (default ``/run/neuronabox`` for root); beside it
+``<name>.agent.log``, the agent's log of the last cluster of that name that ``up`` found broken
+and removed (why its agent died outlives the cluster). Every write is
 the whole document to a temporary file, fsync'd, renamed over the old one and the directory
 fsync'd, so a reader (``nbox down`` after a crash or a ``kill -9`` of ``up``) sees either the
 old or the new document, never half of one. Objects are recorded *before* they are created:
