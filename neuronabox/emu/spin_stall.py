@@ -113,9 +113,8 @@ class SpinStall:
     def draw(self, nbytes: int, gap: float) -> tuple[float, float]:
         """(wall excess over the profile's time, CPU seconds this rank's core spins) for one op of ``nbytes`` issued ``gap`` s after the last.
 
-        A positive excess is a wait before the bytes move; a negative one (a profile's samples
-        keep the sign since the CPU cost moved to 64 KiB and up) an op faster than the sweep's
-        median, which at 10 Gbit/s sits between two modes.
+        A positive excess is a wait before the bytes move; a negative one (newer profiles keep
+        the sign) an op faster than the sweep's median, which at 10 Gbit/s sits between two modes.
         """
         cells = self._cells_for(nbytes, gap)
         rows = cells[0][1] if len(cells) == 1 or self._rng.random() < cells[0][0] else cells[1][1]
