@@ -67,6 +67,16 @@ def workload_args(p: argparse.ArgumentParser, network: str) -> None:
     p.add_argument("--warmup", type=int, default=5)
 
 
+def parse_workload_args(p: argparse.ArgumentParser, prog: str) -> argparse.Namespace | None:
+    """Parse a workload diagnostic's arguments; None (said on stderr) without root. SIGTERM exits, so the cluster comes down."""
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        print(f"{prog}: needs root (the real system runs in network namespaces)", file=sys.stderr)
+        return None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return args
+
+
 @contextlib.contextmanager
 def workload_cluster(network: str, short: str):
     """A 2-node netns cluster of the table's kind and a scratch folder: (folder, topology file, topology, name)."""
@@ -116,11 +126,9 @@ def main() -> int:
                    help="also run model mode (or MODE) with this environment variable set (repeatable)")
     p.add_argument("--profile", type=Path, help="a calibration profile for this network (default: calibrate first)")
     p.add_argument("--json", type=Path, help="write every run's phases here")
-    args = p.parse_args()
-    if os.geteuid() != 0:
-        print("bucket_timeline: needs root (the real system runs in network namespaces)", file=sys.stderr)
+    args = parse_workload_args(p, "bucket_timeline")
+    if args is None:
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from neuronabox.fidelity.calibrate import save_profile
 
     # (label, mode, environment it adds): the real system, each mode, each --env run.

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import sys
 import time
@@ -32,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bucket_timeline import run_workload, workload_args, workload_cluster  # noqa: E402  (one cluster, its runs)
+from bucket_timeline import parse_workload_args, run_workload, workload_args, workload_cluster  # noqa: E402  (one cluster, its runs)
 from fidelity_table import calibrate  # noqa: E402  (the table's calibration)
 
 MIB = 1 << 20
@@ -59,11 +57,9 @@ def main() -> int:
     p.add_argument("--profiles", type=int, default=4, help="calibrations of the one cluster")
     p.add_argument("--keep", type=Path, help="keep the profiles here (and reuse those already there)")
     p.add_argument("--json", type=Path, help="write the runs and each profile's figures here")
-    args = p.parse_args()
-    if os.geteuid() != 0:
-        print("calibration_spread: needs root (the real system runs in network namespaces)", file=sys.stderr)
+    args = parse_workload_args(p, "calibration_spread")
+    if args is None:
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from neuronabox.fidelity.calibrate import load_profile, save_profile
 
     systems = ["real"] + [f"profile {i}" for i in range(args.profiles)]
