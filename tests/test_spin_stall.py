@@ -98,6 +98,35 @@ def test_an_op_issued_on_an_idle_communicator_lasts_its_stall_longer():
     assert later.stall == 0.003 and later.as_dict()["stall"] == 0.003
 
 
+def test_an_op_issued_in_another_s_stall_moves_its_bytes_while_the_link_waits():
+    """Gloo's second worker thread: the link is idle while the first op waits out its spin, so the second fits there."""
+    from neuronabox.emu.timeline import Recorder, Timeline
+    from neuronabox.model.base import CommModel, Estimate, Group
+    from neuronabox.topology import parse_topology
+
+    class LinkBound(CommModel):  # every op's time is link time: two at once share it
+        name = "link-bound"
+
+        def estimate(self, op, nbytes, group, root=0):
+            return Estimate(0.001 if nbytes > 4 else 0.0, "const")
+
+        def link_time(self, op, nbytes, group, root=0):
+            return self.estimate(op, nbytes, group, root).duration
+
+    topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 1Gbps, latency: 10us}}\n")
+    ends = {}
+    for wall in (0.003, 0.0):
+        tl = Timeline("comm0", Group((0, 1)), LinkBound(topo), Recorder())
+        tl.slots = 2
+        tl.stall = SpinStall({(1 << 20, 0.02): [(0, [wall, 0.0, 0.0])]}) if wall else None
+        t = time.perf_counter()
+        first = tl.schedule(Op.ALL_REDUCE, 1 << 20, ready=t)
+        second = tl.schedule(Op.ALL_REDUCE, 1 << 19, ready=t + 0.0005)
+        ends[wall] = (first.end - t, second.end - t)
+    assert ends[0.003] == pytest.approx((0.004, 0.004))  # 1 ms of bytes in the 2.5 ms the first still waits
+    assert ends[0.0] == pytest.approx((0.001, 0.002))  # no stall: the link is busy, so it queues
+
+
 def test_an_op_drawn_faster_than_the_profile_s_time_is_shorter_not_early():
     # The sweep's median can sit between two modes: an op after compute that took the fast one
     # took less than it, down to a floor for sizes far from the measured one.

@@ -394,7 +394,11 @@ class Timeline:
         # ran 6 ms behind while the backward computed, and the 0.37 MB one issued then still ended
         # 17 ms after it, as with an idle host).
         lost = self.coupling.lost(prev) if self.coupling is not None else 0.0
-        idle = (prev_end - r.start) * max(0.0, 1.0 - theirs / (prev.duration + lost))
+        # While ``prev`` still waits out its spin stall none of its bytes move: the link is all
+        # idle then, and ``r`` shares the stall (10 Gbit/s MLP: the real second bucket, issued
+        # in the first's stall, ended 0.2-0.4 ms after it; shared at the link share, 0.8-0.9).
+        waiting = max(0.0, min(prev.start, prev_end) - r.start) if prev.stall > 0 else 0.0
+        idle = waiting + (prev_end - r.start - waiting) * max(0.0, 1.0 - theirs / (prev.duration + lost))
         return min(max(0.0, r.duration - mine) + idle, r.duration)
 
     def _record(self, op: Op, nbytes: int, root: int, now: float) -> OpRecord:
