@@ -282,18 +282,18 @@ def test_an_op_whose_cpu_is_most_of_its_time_completes_with_its_end(monkeypatch)
     from neuronabox.emu import footprint
     from neuronabox.emu.footprint import Footprint
 
-    monkeypatch.setattr(footprint, "QUANTUM", 0.020)  # coarse, so a quantum's lag would show
+    monkeypatch.setattr(footprint, "QUANTUM", 0.040)  # coarse, so a quantum's lag would show
     fp = Footprint(0.0, 0.0)
     t = time.perf_counter()
-    r = rec(0, t, 0.060)
-    r.end = t + 0.060
-    fp.charge(r, 0.045)  # CPU for three quarters of its time, as a 10 Gbit/s all-reduce
+    r = rec(0, t, 0.120)
+    r.end = t + 0.120
+    fp.charge(r, 0.090)  # CPU for three quarters of its time, as a 10 Gbit/s all-reduce
     fp.wait(r)
     took = time.perf_counter() - t
     fp.stop()
-    assert fp.spent == pytest.approx(0.045, abs=0.004)
-    assert took < 0.072  # spent a quantum behind its pace it ended 20 ms late, at 80 ms
-    assert r.end == pytest.approx(t + 0.060, abs=0.010)
+    assert fp.spent == pytest.approx(0.090, abs=0.006)
+    assert took < 0.142  # spent a quantum behind its pace it ended 40 ms late, at 160 ms
+    assert r.end == pytest.approx(t + 0.120, abs=0.020)
 
 
 def test_footprint_cost_scales_by_the_bytes_each_rank_moves():
