@@ -8,7 +8,9 @@ medians of: the iteration, the forward (zero_grad to loss), each gradient bucket
 (from the end of the forward) and all-reduce time (issue to completion, as the step sees it),
 when all buckets are done after the first was issued, and the optimizer step. ``--env`` runs
 model mode (or the mode it names) again with a diagnostic switch set, for A/B runs
-(``--env NBOX_FOOTPRINT=0``, ``--env wire:NAME=VALUE``).
+(``--env NBOX_FOOTPRINT=0``, ``--env wire:NAME=VALUE``). ``--keep DIR`` keeps the profile, the
+bucket logs and the emulated runs' reports, whose per-op records (ready, start, stall, end) say
+how the timeline placed each bucket.
 
     sudo .venv/bin/python benchmarks/bucket_timeline.py --network 10Gbit-10us --arch mlp --rounds 3
     sudo .venv/bin/python benchmarks/bucket_timeline.py --network 10Gbit-10us --arch mlp \\
@@ -26,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -109,6 +112,7 @@ def run_workload(cluster, args, log: Path, mode: str, profile: Path | None, env:
     if mode == "real":
         rc, _ = launch_real(name, topo, cmd, None, record_only=False)
     else:
+        (tmpd / "report.json").unlink(missing_ok=True)  # a failed run must not leave the last one's to keep
         with mock.patch.dict(os.environ, env or {}):  # the emulated run and its twin inherit it
             rc = _run_emulated(topo_file, cmd, mode, tmpd / "report.json", rank_cores(topo.world_size)[0], name,
                                None, profile, tmpd / "emulated.log", 300.0, twins=twin_ranks(topo.world_size, 0))
@@ -116,6 +120,14 @@ def run_workload(cluster, args, log: Path, mode: str, profile: Path | None, env:
     if rc != 0 or not got.exists():
         return rc, None
     return rc, phases(json.loads(got.read_text()), args.warmup)
+
+
+def keep_run(tmpd: Path, log: Path, to: Path, mode: str) -> None:
+    """Copy one run's bucket logs (every rank's) and, for an emulated run, its report next to ``to``."""
+    for got in tmpd.glob(f"{log.name}.rank*.json"):
+        shutil.copy(got, to.with_name(to.name + got.name[len(log.name):]))
+    if mode != "real" and (tmpd / "report.json").exists():
+        shutil.copy(tmpd / "report.json", to.with_name(to.name + ".report.json"))
 
 
 def main() -> int:
@@ -126,6 +138,8 @@ def main() -> int:
                    help="also run model mode (or MODE) with this environment variable set (repeatable)")
     p.add_argument("--profile", type=Path, help="a calibration profile for this network (default: calibrate first)")
     p.add_argument("--json", type=Path, help="write every run's phases here")
+    p.add_argument("--keep", type=Path, help="keep the profile, each run's bucket log and each emulated run's "
+                   "report (its per-op records: start, stall, end) in this folder")
     args = parse_workload_args(p, "bucket_timeline")
     if args is None:
         return 2
@@ -147,9 +161,14 @@ def main() -> int:
             profile = tmpd / "profile.json"
             save_profile(calibrate(topo, name), profile)
             print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(profile, args.keep / "profile.json")
         for rnd in range(args.rounds):
             for i, (system, mode, env) in enumerate(runners):
                 rc, ph = run_workload(cluster, args, tmpd / f"{rnd}-{i}", mode, profile, env)
+                if args.keep:
+                    keep_run(tmpd, tmpd / f"{rnd}-{i}", args.keep / f"{rnd}-{i}", mode)
                 if ph is None:
                     print(f"round {rnd + 1} {system}: failed (status {rc})", file=sys.stderr)
                     continue

@@ -44,3 +44,16 @@ def test_the_workload_logs_each_bucket_under_nbox_run(tmp_path):
     last = [b for b in doc["buckets"] if t1 <= b[1] <= t2]
     assert len(last) == 2 and sum(b[0] for b in last) > 1_000_000
     assert all(b[2] >= b[1] for b in doc["buckets"])
+
+
+def test_keep_copies_a_run_s_bucket_logs_and_an_emulated_run_s_report(tmp_path):
+    work, keep = tmp_path / "work", tmp_path / "keep"
+    work.mkdir()
+    keep.mkdir()
+    for rank in (0, 1):
+        (work / f"2-1.rank{rank}.json").write_text(f"rank {rank}")
+    (work / "report.json").write_text("ops")
+    bucket_timeline().keep_run(work, work / "2-1", keep / "2-1", "real")
+    assert sorted(p.name for p in keep.iterdir()) == ["2-1.rank0.json", "2-1.rank1.json"]  # the real system has no report
+    bucket_timeline().keep_run(work, work / "2-1", keep / "2-1", "model")
+    assert (keep / "2-1.report.json").read_text() == "ops" and (keep / "2-1.rank1.json").read_text() == "rank 1"
