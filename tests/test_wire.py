@@ -350,3 +350,50 @@ def test_gloos_two_worker_threads_move_two_ops_of_a_group_at_once_in_wire_mode(t
     else:
         assert second["start"] >= first["end"] - 1e-6
     assert leftovers(name) == before
+
+
+
+def _lane_t0s(jobs: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
+    """Run ops (issue time, seconds each takes) on one wire lane: per op, the t0 its stubs' schedule counts from, its start and end."""
+    import queue
+    import threading
+    import types
+
+    from neuronabox.emu.timeline import clock
+    from neuronabox.emu.wire import WireClient, _Job
+
+    lane = WireClient.__new__(WireClient)  # the wire thread's loop only: no cluster, no stubs
+    lane.q, lane.seq, lane._failed, lane.stall, lane._deadline, lane._op = queue.SimpleQueue(), 0, [], 60.0, 0.0, ""
+    t0s: list[float] = []
+    done = threading.Event()
+
+    def run(takes):
+        def go(ln, job):
+            time.sleep(takes)  # the op's set-up and bytes
+            t0s.append(ln._t0(job))
+        return go
+
+    tl = types.SimpleNamespace(_lock=threading.Lock(), last_end=0.0)
+    work = types.SimpleNamespace(_finish=lambda err: done.set() if len(t0s) == len(jobs) else None)
+    now = clock()
+    recs = []
+    for issued, takes in jobs:
+        recs.append(types.SimpleNamespace(stall=0.0, spin=0.0, duration=takes, extra=0.0, ready=now + issued,
+                                          op=types.SimpleNamespace(value="all_reduce"), nbytes=4))
+        lane.q.put(_Job(run(takes), work, recs[-1], tl))
+    time.sleep(max(issued for issued, _ in jobs) + 0.02)  # the ops wait in the queue, as for a late thread
+    threading.Thread(target=lane._loop, daemon=True).start()
+    assert done.wait(30)
+    lane.q.put(None)
+    return [(t - now, r.start - now, r.end - now) for t, r in zip(t0s, recs)]
+
+
+def test_the_stubs_schedule_counts_from_when_the_op_could_begin_not_from_the_wire_threads_set_up():
+    # Op 1 issued at 0 on an idle lane, op 2 at 5 ms while op 1 runs: the emulated ranks reach
+    # op 1 at 0 and op 2 when the lane frees, whatever the wire thread spent before it got to
+    # them (here they wait in the queue, standing for its wake-up and the op's set-up; counted
+    # from when the thread got there, op 1's schedule began that much late).
+    (t1, start1, end1), (t2, _, _) = _lane_t0s([(0.0, 0.03), (0.005, 0.01)])
+    assert start1 > 0.02
+    assert t1 == pytest.approx(0.0, abs=3e-3)
+    assert t2 == pytest.approx(end1, abs=3e-3)

@@ -44,9 +44,11 @@ NCCL pipelines a ring); a broadcast's slice j is frame j; a barrier's step k is 
 with an empty payload. A stub drops what it receives, noting the last frame for ``dep``.
 
 Timing: the stub's send times are the model's per-step schedule (``Estimate.steps()``, the
-steps whose destination is the real rank) placed after the op's actual start on the wire
-(plus the emulated ranks' straggler delay), scaled so the schedule spans the modeled
-duration (what-if injections included); a schedule without such steps is spread evenly.
+steps whose destination is the real rank) placed after the op's start as the emulated ranks
+see it (its issue, or the end of the lane's op before it, then its spin stall; not when the
+wire thread got to it and set it up) plus the emulated ranks' straggler delay, scaled so the
+schedule spans the modeled duration (what-if injections included); a schedule without such
+steps is spread evenly.
 The real rank's own sends leave as soon as the ring's data dependencies allow, and its op
 completes when it has received its last frame and written its own last one (gloo's
 ``waitSend``: a send is complete once the socket took its bytes, not when they arrived; the
@@ -256,7 +258,7 @@ def _mv(t) -> memoryview:
 class _Job:
     """One collective for the wire thread: what to run and how to finish its work."""
 
-    __slots__ = ("run", "work", "rec", "tl", "seq")
+    __slots__ = ("run", "work", "rec", "tl", "seq", "t0")
 
     def __init__(self, run, work, rec, tl):
         self.run = run
@@ -621,10 +623,12 @@ class WireClient:
         import torch
 
         torch.set_grad_enabled(False)  # thread-local: the wire's arithmetic records no autograd graph
+        free = 0.0  # when this lane's last op ended
         while True:
             job = self.q.get()
             if job is None:  # close(): no more work
                 return
+            picked = clock()
             self.seq += 1
             job.seq = self.seq
             rec = job.rec
@@ -632,6 +636,11 @@ class WireClient:
                 # Gloo's spin stall (spin_stall.py): the real rank's gloo would wait, spinning.
                 wait_spinning(rec.stall, rec.spin)
             start = clock()
+            # The emulated ranks' frames may leave from when the op could begin (issued, lane free,
+            # stall over), not from when this thread got to it: its wake-up and the op's set-up
+            # (the arena copy, the schedule) cost 0.1-0.3 ms that the emulated ranks do not wait.
+            ready = rec.ready if rec.ready is not None else picked
+            job.t0 = start - max(0.0, picked - max(ready, free))
             modeled = rec.duration + rec.extra
             self._deadline = time.monotonic() + (modeled if 0 <= modeled < 1e9 else 0.0) + self.stall
             self._op = f"{rec.op.value} #{job.seq} ({rec.nbytes} B)"
@@ -645,7 +654,7 @@ class WireClient:
             except BaseException as exc:  # noqa: BLE001 - reported through the work
                 err = exc
                 self._failed.append(exc)
-            end = clock()
+            end = free = clock()
             rec.start, rec.end, rec.completed = start, end, end
             with job.tl._lock:
                 job.tl.last_end = max(job.tl.last_end, end)
@@ -695,9 +704,7 @@ class WireClient:
 
     def _t0(self, job) -> float:
         # The emulated ranks reach the op with us, or later by the straggler delay.
-        from .timeline import clock
-
-        return clock() + job.rec.extra
+        return job.t0 + job.rec.extra
 
     def _pipeline(self, job, pg, chunks: list, arena_off, first: int, nsteps: int, receive) -> None:
         """A ring of ``nsteps`` steps over ``chunks`` (1-D tensors by chunk index), pipelined in slices.
