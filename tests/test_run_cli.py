@@ -167,7 +167,9 @@ def test_ddp_overlap_hides_part_of_the_delay_as_the_timeline_predicts(tmp_path):
     base, slow = docs["0ms"], docs["10ms"]
     buckets = base["per_op"]["all_reduce"]["count"] / base["iteration_time"]["count"]
     assert buckets >= 4
-    grew = slow["iteration_time"]["median"] - base["iteration_time"]["median"]
+    # The time the training waits on collectives: two runs' iteration times also differ by how
+    # fast this machine computed in each (47 ms grown against 57 predicted in one CI run).
+    grew = slow["exposed_per_iteration"]["median"] - base["exposed_per_iteration"]["median"]
     # Overlap hides part of the delay: less than one delay per bucket, at least the last one.
     assert 10e-3 * 0.8 < grew < buckets * 10e-3
     # The FIFO timeline's prediction from the baseline's call times matches what happened.
