@@ -78,7 +78,9 @@ def validate(
     logs: Optional[Path] = typer.Option(None, "--logs", help="Keep every run's output in this folder."),
 ) -> None:
     """Run the real system and the emulated one on the same shaped network; print the error table (exit 1 past --tolerance).
+    \f
 
+    (Not in --help, whose renderer keeps this paragraph's line breaks; --twin says the same.)
     The real system's ranks share this machine, so by default each emulated run has a load twin:
     the real system's other ranks run beside it (each its own nbox run, pinned to its core), and
     the measured rank computes on a machine as busy as the real system's. The twin does not
