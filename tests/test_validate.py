@@ -151,12 +151,18 @@ def test_record_only_mode_records_iterations_and_leaves_gloo_in_place(tmp_path):
 def test_cli_errors_are_one_line_and_exit_2(tmp_path):
     topo = tmp_path / "t.yaml"
     topo.write_text("cluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps}}\nemulation: {library: gloo}\n")
+    nccl = tmp_path / "nccl.yaml"
+    nccl.write_text(topo.read_text().replace("gloo", "nccl"))
     cases = [
         (["validate", str(topo)], "no command to run"),
         (["validate", str(topo), "--tolerance", "lots", "--", "python", "x.py"], "--tolerance"),
         (["validate", str(topo), "--modes", "real", "--", "python", "x.py"], "--modes"),
         (["validate", str(tmp_path / "none.yaml"), "--", "python", "x.py"], "no such topology file"),
         (["validate", str(topo), "-m", "calibrated", "--profile", str(tmp_path / "no.json"), "--", "python", "x.py"], "--profile"),
+        (["validate", str(topo), "--calibrate", "--calibrate-ops", "nope", "--", "python", "x.py"], "--calibrate-ops"),
+        (["validate", str(topo), "--calibrate-ops", "all_reduce", "--", "python", "x.py"], "only read with --calibrate"),
+        (["validate", str(topo), "--calibrate", "-m", "nccl", "--", "python", "x.py"], "--calibrate: measures a profile"),
+        (["validate", str(nccl), "--calibrate", "--", "python", "x.py"], "only a gloo profile"),
         (["calibrate", str(topo), "--sizes", "8MiB:4B"], "--sizes"),
         (["calibrate", str(topo), "--ops", "all_reduce,nope"], "--ops"),
         (["calibrate", str(topo), "--max-op-time", "soon"], "--max-op-time"),

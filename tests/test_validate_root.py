@@ -82,9 +82,11 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
 
     topo, script = files
     before = leftovers(tmp_path / "state")
-    out = tmp_path / "v.json"
+    out, prof = tmp_path / "v.json", tmp_path / "here.profile.json"
+    # The passing case also calibrates first, on the validation's own cluster, and emulates with that.
+    calibrate = ["--calibrate", "--calibrate-ops", "all_reduce", "--profile", str(prof)] if code == 0 else []
     r = run_nbox("validate", str(topo), "--modes", "model", "--warmup", "2", "--repeats", "2" if code == 0 else "1",
-                 "--tolerance", tolerance, "--json", str(out), "--", sys.executable, str(script))
+                 "--tolerance", tolerance, "--json", str(out), *calibrate, "--", sys.executable, str(script))
     assert r.returncode == code, r.stdout + r.stderr
     v = json.loads(out.read_text())
     assert v["iterations"] == 6 and v["passed"] is (code == 0)
@@ -97,4 +99,9 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
     assert "error of median" in r.stdout and ("FAIL" in r.stdout) is (code == 1)
     if code == 0:
         assert len(real["runs"]) == 2 and v["real_spread"] is not None
+        doc = json.loads(prof.read_text())
+        assert doc["format"] == "neuronabox-calibration/1" and set(doc["ops"]) == {"all_reduce"}
+        assert v["model"] == "calibrated" and v["profile"] == str(prof) and "calibrating all_reduce" in r.stdout
+    else:
+        assert v["model"] != "calibrated"
     assert leftovers(tmp_path / "state") == before

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import InputError
+from ..fidelity.calibrate import DEFAULT_SIZES
 from . import app, console, load
 
 
@@ -68,7 +69,14 @@ def validate(
     modes: str = typer.Option("model,wire", "--modes", help="Emulated modes to compare: model, wire."),
     model: Optional[str] = typer.Option(None, "-m", "--model", help="Delay model of the emulated runs (default: the topology's)."),
     profile: Optional[Path] = typer.Option(
-        None, "--profile", help="Calibration profile (nbox calibrate) over emulation.profile; selects model calibrated."),
+        None, "--profile", help="Calibration profile (nbox calibrate) over emulation.profile; selects model calibrated. "
+        "With --calibrate: where to write the new one."),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="First calibrate on the validation's own cluster, right before the runs (nbox "
+        "calibrate's sweep of --calibrate-ops), and emulate with that profile (written to --profile, else to --logs, else "
+        "dropped at the end)."),
+    calibrate_ops: str = typer.Option(
+        "all", "--calibrate-ops", help="With --calibrate: comma list of collectives to measure, or all (what gloo runs)."),
     twin: bool = typer.Option(
         True, "--twin/--no-twin",
         help="Load twin (default on): during each emulated run, every other rank of the real system runs as its own "
@@ -93,15 +101,20 @@ def validate(
 
     from ..fidelity.validate import UNDECIDED, UNDECIDED_WHY, error_table, parse_modes, parse_tolerance, run_validation
 
+    from ..fidelity.calibrate import parse_ops
+
     tol = parse_tolerance(tolerance)
     mode_list = parse_modes(modes)
+    if calibrate_ops != "all" and not calibrate:
+        raise InputError("--calibrate-ops: only read with --calibrate")
+    cal_ops = parse_ops(calibrate_ops, "--calibrate-ops") if calibrate else None
     if not command:
         raise InputError("nbox validate: no command to run (usage: nbox validate TOPOLOGY [OPTIONS] -- python train.py ARGS)")
     if not topology.is_file():
         raise InputError(f"{topology}: no such topology file")
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
-                       keep_logs=logs, twin=twin)
+                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops)
     rows = error_table(v)
     twin_note = f", load twin rank(s) {','.join(map(str, v.twin_ranks))}" if v.twin_ranks else ", no load twin"
     t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "
@@ -124,7 +137,7 @@ def validate(
 @app.command(no_args_is_help=True)
 def calibrate(
     topology: Path = typer.Argument(..., help="Topology YAML file (every rank runs for real in a netns cluster)."),
-    sizes: str = typer.Option("4B:256MiB", "--sizes", help="MIN:MAX message sizes."),
+    sizes: str = typer.Option(DEFAULT_SIZES, "--sizes", help="MIN:MAX message sizes."),
     step: float = typer.Option(2.0, "--step", help="Multiply the size by this each step."),
     ops: str = typer.Option("all", "--ops", help="Comma list of collectives, or all (what gloo runs among real ranks)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Write the profile here (default: the file emulation.profile names, else <topology>.profile.json beside it)."),

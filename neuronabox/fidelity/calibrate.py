@@ -60,9 +60,11 @@ __all__ = [
     "run_calibration",
     "run_intra_node",
     "pair_ratios",
+    "DEFAULT_SIZES",
 ]
 
 FORMAT = "neuronabox-calibration/1"
+DEFAULT_SIZES = "4B:256MiB"  # the sweep's sizes unless told (nbox calibrate --sizes; nbox validate --calibrate)
 # What gloo (torch's CPU backend) runs among real ranks; the others are its internals or absent.
 CALIBRATABLE = (
     Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.BROADCAST, Op.REDUCE, Op.ALL_TO_ALL,
@@ -306,7 +308,7 @@ def parse_size_range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def parse_ops(text: str) -> list[Op]:
+def parse_ops(text: str, flag: str = "--ops") -> list[Op]:
     """``all`` or ``all_reduce,broadcast`` -> ops; errors name the flag."""
     if text.strip() == "all":
         return list(CALIBRATABLE)
@@ -315,12 +317,12 @@ def parse_ops(text: str) -> list[Op]:
         try:
             op = Op.parse(name)
         except ValueError as exc:
-            raise InputError(f"--ops: {exc}") from None
+            raise InputError(f"{flag}: {exc}") from None
         if op not in CALIBRATABLE:
-            raise InputError(f"--ops: {op.value} cannot be measured among real gloo ranks")
+            raise InputError(f"{flag}: {op.value} cannot be measured among real gloo ranks")
         ops.append(op)
     if not ops:
-        raise InputError("--ops: give at least one op, or all")
+        raise InputError(f"{flag}: give at least one op, or all")
     return list(dict.fromkeys(ops))
 
 

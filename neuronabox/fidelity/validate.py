@@ -509,11 +509,14 @@ def run_validation(
     progress: Callable[[str], None] | None = None,
     keep_logs: Path | None = None,
     twin: bool = True,
+    calibrate_ops: Sequence | None = None,
 ) -> Validation:
     """Run the real and the emulated systems interleaved ``repeats`` times and compare their iteration times.
 
     ``twin``: run the load twin beside every emulated run (see the module's notes); turn it off
-    when the real system's ranks do not share one machine.
+    when the real system's ranks do not share one machine. ``calibrate_ops``: first calibrate
+    these collectives on the validation's own cluster (``nbox calibrate``'s sweep) and run the
+    emulated systems on that profile, written to ``profile`` (else to ``keep_logs``, else dropped).
     """
     from ..model.calibrated import with_profile
     from ..model.registry import create_model
@@ -534,6 +537,14 @@ def run_validation(
         say(f"note: {topology_file} says library {topo.emulation.library}; the real system here runs gloo")
     # A bad model or profile fails here, before any cluster exists; the emulated runs get the
     # same flags (``nbox run --profile``), so they resolve the profile the same way.
+    if calibrate_ops:
+        if model not in (None, "calibrated"):
+            raise InputError(f"--calibrate: measures a profile for model calibrated, but --model is {model!r} "
+                             "(drop one of them)")
+        if topo.emulation.library != "gloo":
+            raise InputError(f"--calibrate: {topology_file}: emulation.library: {topo.emulation.library}: the real "
+                             "system here runs gloo, so only a gloo profile can be measured (set library: gloo)")
+        calibrated_to, profile = profile, None  # written once measured; until then the topology's own
     effective = with_profile(topo, profile, model)
     create_model(effective)
     if profile is not None:
@@ -548,6 +559,11 @@ def run_validation(
         logs.mkdir(parents=True, exist_ok=True)
         up = stack.enter_context(cluster_for(topo, cluster, say))
         say(f"cluster {up.name} up ({len(up.nodes)} nodes, {up.seconds:.1f} s)")
+        if calibrate_ops:
+            # On the cluster the runs use, right before them: a profile measured minutes or a
+            # cluster instance earlier reads this machine's state then (README, "Fidelity on one machine").
+            profile = _calibrate_here(topo, up.name, calibrate_ops, calibrated_to, keep_logs or tmp, say)
+            effective = with_profile(topo, profile, None)
         # The emulated run's real rank gets the core that rank had in the real system.
         real_rank = topo.emulation.real_ranks[0]
         core0 = rank_cores(topo.world_size)[real_rank]
@@ -617,6 +633,18 @@ def run_validation(
         profile=effective.emulation.profile if effective.emulation.model == "calibrated" else None,
         seconds=time.perf_counter() - t_start, twin_ranks=[r for r, _ in twins],
     )
+
+
+def _calibrate_here(topo, cluster: str, ops: Sequence, out: Path | None, folder: Path, say) -> Path:
+    """``nbox calibrate``'s network sweep of ``ops`` on ``cluster``; the profile's path (``out``, else in ``folder``)."""
+    from .calibrate import DEFAULT_SIZES, default_sizes, parse_size_range, run_calibration, save_profile
+
+    say(f"calibrating {', '.join(o.value for o in ops)} on this cluster")
+    doc = run_calibration(topo, ops, default_sizes(*parse_size_range(DEFAULT_SIZES)), cluster=cluster, progress=say)
+    path = Path(out if out is not None else folder / "profile.json").resolve()
+    save_profile(doc, path)
+    say(f"calibrated in {doc['meta']['seconds']:.0f} s: {path}")
+    return path
 
 
 def _teardown_abort_only(codes: list[int], recorded: int, record: Path) -> bool:
