@@ -99,9 +99,8 @@ def validate(
 
     from rich.table import Table
 
-    from ..fidelity.validate import UNDECIDED, UNDECIDED_WHY, error_table, parse_modes, parse_tolerance, run_validation
-
     from ..fidelity.calibrate import parse_ops
+    from ..fidelity.validate import UNDECIDED, UNDECIDED_WHY, error_table, parse_modes, parse_tolerance, run_validation
 
     tol = parse_tolerance(tolerance)
     mode_list = parse_modes(modes)
