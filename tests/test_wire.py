@@ -352,7 +352,6 @@ def test_gloos_two_worker_threads_move_two_ops_of_a_group_at_once_in_wire_mode(t
     assert leftovers(name) == before
 
 
-
 def _lane_t0s(jobs: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
     """Run ops (issue time, seconds each takes) on one wire lane: per op, the t0 its stubs' schedule counts from, its start and end."""
     import queue
