@@ -1,5 +1,5 @@
 """Hybrid collectives, measured: 2 real CPU ranks + emulated ones (DDP iteration times, per-op cost, failure time)."""
-import json, os, signal, statistics, subprocess, sys, tempfile, time
+import json, os, signal, statistics, sys, tempfile, time
 from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests")); sys.path.insert(0, str(ROOT))

@@ -12,7 +12,6 @@ import pytest
 
 pytest.importorskip("torch", reason="calibration runs gloo")
 
-from neuronabox.cluster.state import ClusterState  # noqa: E402
 
 from .conftest import run_nbox  # noqa: E402
 from .test_validate_root import leftovers  # noqa: E402

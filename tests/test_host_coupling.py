@@ -120,8 +120,6 @@ def emulate_const():
     torch.set_num_threads(1)
     yield start
     torch.set_num_threads(threads)
-    from neuronabox.emu import api
-
     api.shutdown()
 
 

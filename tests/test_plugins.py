@@ -1,7 +1,6 @@
 """Third-party delay models arrive through the ``neuronabox.models`` entry-point group."""
 
 import os
-import sys
 import textwrap
 
 import pytest
@@ -10,7 +9,7 @@ from neuronabox.collectives import Op
 from neuronabox.errors import InputError
 from neuronabox.model.registry import available_models, create_model
 
-from .conftest import ROOT, run_nbox, switch_topology
+from .conftest import run_nbox, switch_topology
 
 PLUGIN = textwrap.dedent(
     '''

@@ -19,7 +19,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable
 
 from ..collectives import Op
 from ..model.base import CommModel, Group

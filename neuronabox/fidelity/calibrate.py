@@ -202,7 +202,6 @@ def _segment_dp(s: list[float], t: list[float], kmax: int, min_points: int) -> d
     for i in range(m):
         for j in range(i + min_points, m + 1):
             cost[i][j] = _line(s[i:j], t[i:j])[2]
-    best: dict[int, list[tuple[float, list[int]]]] = {}
     # dp[k][j]: best error of the first j points cut into k segments
     dp = [[(math.inf, [])] * (m + 1) for _ in range(kmax + 1)]
     dp[0][0] = (0.0, [])

@@ -20,7 +20,6 @@ _FULL_DRAWING_LIMIT = 160
 
 def summary_tables(topo: Topology, graph: ClusterGraph) -> list[Table]:
     """The cluster at a glance: one summary table and one table of node kinds."""
-    net = topo.network
     em = topo.emulation
     wi = topo.whatif
     t = Table(title=f"topology {topo.name}", show_header=False, title_justify="left")

@@ -373,9 +373,9 @@ def _resize(entries: list[dict[str, Any]], rpn: int, world_size: int, source: st
 def _check_network(spec: TopologyFile, nodes: list[Node], source: str) -> None:
     net = spec.network
     sections = {"fat_tree": "fat-tree", "rail": "rail-optimized"}
-    for field, kind in sections.items():
-        if getattr(net, field) is not None and net.type != kind:
-            raise TopologyError(source, f"network.{field}", f"only allowed with type {kind!r} (type is {net.type!r})")
+    for section, kind in sections.items():
+        if getattr(net, section) is not None and net.type != kind:
+            raise TopologyError(source, f"network.{section}", f"only allowed with type {kind!r} (type is {net.type!r})")
     if net.type != "links":
         if net.links:
             raise TopologyError(source, "network.links", f"only allowed with type 'links' (type is {net.type!r})")
