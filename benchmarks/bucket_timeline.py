@@ -143,7 +143,7 @@ def main() -> int:
     args = parse_workload_args(p, "bucket_timeline")
     if args is None:
         return 2
-    from neuronabox.fidelity.calibrate import save_profile
+    from neuronabox.fidelity.profile import save_profile
 
     # (label, mode, environment it adds): the real system, each mode, each --env run.
     runners = [("real", "real", {})] + [(m, m, {}) for m in (m.strip() for m in args.modes.split(",")) if m]

@@ -38,7 +38,7 @@ MIB = 1 << 20
 
 def profile_figures(profile: dict) -> dict[str, float | None]:
     """What moves the model most: the 1 MiB sweep median, two at once over serial at 1 MiB, the busy rate."""
-    from neuronabox.fidelity.calibrate import pair_ratios
+    from neuronabox.fidelity.measure import pair_ratios
 
     sweep = {r["size"]: r["time_s"] for r in (profile.get("measurements") or {}).get("all_reduce", [])}
     pairs = dict(pair_ratios(profile.get("concurrency") or {}))
@@ -60,7 +60,7 @@ def main() -> int:
     args = parse_workload_args(p, "calibration_spread")
     if args is None:
         return 2
-    from neuronabox.fidelity.calibrate import load_profile, save_profile
+    from neuronabox.fidelity.profile import load_profile, save_profile
 
     systems = ["real"] + [f"profile {i}" for i in range(args.profiles)]
     runs: dict[str, list[float]] = {s: [] for s in systems}

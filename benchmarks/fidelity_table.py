@@ -98,7 +98,7 @@ def main() -> int:
     # SIGTERM (timeout, kill) as an exit, so the finally below takes each cluster down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from neuronabox.cluster import runtime as rt
-    from neuronabox.fidelity.calibrate import save_profile, write_profile_field
+    from neuronabox.fidelity.profile import save_profile, write_profile_field
     from neuronabox.emu.footprint import interference
     from neuronabox.fidelity.validate import run_validation
     from neuronabox.topology import load_topology
@@ -217,7 +217,7 @@ def _error_cell(m: dict, real_runs: list[float] | None = None) -> str:
 
 def write(args, rows: list[dict], modes: list[str], command: str, seconds: float, machine: dict | None = None) -> None:
     """The Markdown table (and the JSON beside it)."""
-    from neuronabox.fidelity.calibrate import pair_ratios
+    from neuronabox.fidelity.measure import pair_ratios
     from neuronabox.units import format_size
 
     out: Path = args.out

@@ -10,18 +10,10 @@ import pytest
 
 from neuronabox.collectives import Op
 from neuronabox.errors import InputError
-from neuronabox.fidelity.calibrate import (
-    cpu_cost_rows,
-    default_sizes,
-    fit_piecewise,
-    link_estimate,
-    load_profile,
-    make_profile,
-    parse_ops,
-    parse_size_range,
-    ring_terms,
-    save_profile,
-)
+from neuronabox.fidelity.calibrate import default_sizes, parse_ops, parse_size_range
+from neuronabox.fidelity.fit import fit_piecewise, link_estimate, ring_terms
+from neuronabox.fidelity.measure import cpu_cost_rows
+from neuronabox.fidelity.profile import load_profile, make_profile, save_profile
 from neuronabox.model.registry import create_model
 
 from .conftest import topo

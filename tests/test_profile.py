@@ -11,14 +11,9 @@ import pytest
 
 from neuronabox.collectives import Op
 from neuronabox.errors import InputError, TopologyError
-from neuronabox.fidelity.calibrate import (
-    default_sizes,
-    fit_piecewise,
-    make_profile,
-    profile_reference,
-    save_profile,
-    write_profile_field,
-)
+from neuronabox.fidelity.calibrate import default_sizes
+from neuronabox.fidelity.fit import fit_piecewise
+from neuronabox.fidelity.profile import make_profile, profile_reference, save_profile, write_profile_field
 from neuronabox.model.calibrated import with_profile
 from neuronabox.model.registry import create_model
 from neuronabox.topology import load_topology

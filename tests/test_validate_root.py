@@ -54,7 +54,7 @@ def leftovers(state_dir) -> dict:
             env = {}
         # The cluster's agent and relay carry our state dir; the ranks carry validate's run id.
         if (env.get("NBOX_STATE_DIR") == str(state_dir) or env.get("TORCHELASTIC_RUN_ID", "").startswith("nbox-validate-")
-                or "neuronabox.fidelity.calibrate" in cmd):
+                or "neuronabox.fidelity.measure" in cmd):
             procs.append(p.pid)
     names = sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []
     return {

@@ -156,17 +156,13 @@ def calibrate(
     from ..fidelity.calibrate import (
         default_sizes,
         load_for_calibration,
-        load_profile,
-        make_profile,
-        pair_ratios,
         parse_ops,
         parse_size_range,
-        profile_reference,
         run_calibration,
         run_intra_node,
-        save_profile,
-        write_profile_field,
     )
+    from ..fidelity.measure import pair_ratios
+    from ..fidelity.profile import load_profile, make_profile, profile_reference, save_profile, write_profile_field
     from ..units import UnitError, format_duration, format_size, parse_duration
 
     lo, hi = parse_size_range(sizes)

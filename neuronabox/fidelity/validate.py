@@ -637,7 +637,8 @@ def run_validation(
 
 def _calibrate_here(topo, cluster: str, ops: Sequence, out: Path | None, folder: Path, say) -> Path:
     """``nbox calibrate``'s network sweep of ``ops`` on ``cluster``; the profile's path (``out``, else in ``folder``)."""
-    from .calibrate import DEFAULT_SIZES, default_sizes, parse_size_range, run_calibration, save_profile
+    from .calibrate import DEFAULT_SIZES, default_sizes, parse_size_range, run_calibration
+    from .profile import save_profile
 
     say(f"calibrating {', '.join(o.value for o in ops)} on this cluster")
     doc = run_calibration(topo, ops, default_sizes(*parse_size_range(DEFAULT_SIZES)), cluster=cluster, progress=say)

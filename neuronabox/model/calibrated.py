@@ -1,7 +1,7 @@
 """The ``calibrated`` model: answers from a profile that ``nbox calibrate`` fitted on real links.
 
 The profile holds, per op, size segments ``t = L(n)·alpha + F(n)·S/B`` fitted at the
-calibrated group size (``neuronabox.fidelity.calibrate``). For another group size the
+calibrated group size (``neuronabox.fidelity.fit``). For another group size the
 segment's alpha and B go into the same ring closed form with that n, so a 2-rank
 calibration answers for 1024 ranks the way the alpha-beta model would, with measured
 constants. An op that was not measured borrows all-reduce's segments (alpha and bus
@@ -45,7 +45,7 @@ class CalibratedModel(CommModel):
     def __init__(self, topology, graph=None, *, algorithm=None, protocol=None,
                  profile: str | Path | dict | None = None):
         super().__init__(topology, graph, algorithm=algorithm, protocol=protocol)
-        from ..fidelity.calibrate import load_profile, topology_hash
+        from ..fidelity.profile import load_profile, topology_hash
 
         if isinstance(profile, dict):
             doc = profile
@@ -86,7 +86,7 @@ class CalibratedModel(CommModel):
 
     def link_time(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> float | None:
         """The op's bytes at the link time per byte measured with two all-reduces at once (profile ``concurrency``)."""
-        from ..fidelity.calibrate import ring_terms
+        from ..fidelity.fit import ring_terms
 
         c = self.profile.get("concurrency")
         group = Group.of(group)
@@ -124,7 +124,7 @@ class CalibratedModel(CommModel):
         return self._from_fits(self.fits, self.tables, "calibrated", op, nbytes, group, root)
 
     def _from_fits(self, fits, tables, label: str, op: Op, nbytes: int, group: Group, root: int) -> Estimate:
-        from ..fidelity.calibrate import ring_terms
+        from ..fidelity.fit import ring_terms
 
         n = group.size
         fit = fits.get(op)
@@ -196,7 +196,7 @@ def with_profile(topology, profile: str | Path | None, model: str | None = None,
         path = Path(profile).expanduser()
         if not path.is_file():
             raise InputError(f"{flag}: no such profile file {str(profile)!r}")
-        from ..fidelity.calibrate import load_profile
+        from ..fidelity.profile import load_profile
 
         try:
             load_profile(path)

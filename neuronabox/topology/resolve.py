@@ -313,7 +313,7 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
     return Topology(spec=spec, source=source, nodes=tuple(nodes), rank_node=tuple(rank_node), raw=raw)
 
 
-# The profile's own format string lives with its writer (fidelity.calibrate), above this layer:
+# The profile's own format string lives with its writer (fidelity.profile), above this layer:
 # here only its family is checked; the calibrated model reads the rest when it is built.
 _PROFILE_FORMAT_PREFIX = "neuronabox-calibration/"
 

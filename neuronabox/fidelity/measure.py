@@ -1,0 +1,561 @@
+"""What each calibration rank runs (``python -m neuronabox.fidelity.measure PLAN``): the sweep and the host-coupling measurements.
+
+Every rank of the topology runs for real in its node's namespace of a netns cluster (the
+launcher of ``validate``), gloo over the shaped links. For each op and size, nccl-tests' way:
+a barrier, then k back-to-back ops timed on every rank; the sample is the slowest rank's
+time / k (an op is over when its last rank is done). k grows for small sizes so a sample
+lasts a few tens of ms, the sample count is bounded by a time budget per size, and an op's
+sweep stops after the first size whose op takes longer than ``max_op_s``: that keeps the
+default run (4 B to 256 MiB, every op gloo has) to a few minutes on a 100 Mbit link, where
+256 MiB alone would take 20 s an op. With gloo, rank 0 then also measures how collectives and
+the host's compute share the CPU: progress while computing, CPU cost, two ops at once, and the
+stalls of ops issued after compute (README, "A CPU library's collectives").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..collectives import Op
+from .fit import fit_line
+
+__all__ = ["WorkerPlan", "PAIR_SIZES", "cpu_cost_rows", "pair_ratios"]
+
+_CHUNKED = (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.GATHER, Op.SCATTER)
+# Sizes below the main one at which two all-reduces at once are also timed: DDP's buckets.
+PAIR_SIZES = (256 << 10, 1 << 20, 4 << 20)
+
+
+@dataclass
+class WorkerPlan:
+    """What every calibration rank runs (written to a JSON file that all ranks read)."""
+
+    ops: list[str]
+    sizes: list[int]
+    budget_s: float = 0.15
+    sample_s: float = 0.02
+    max_op_s: float = 0.5
+    min_samples: int = 3
+    # The budget decides below this. At 100 Mbit/s one 2 MiB all-reduce takes 182-228 ms (the
+    # same cluster, minutes apart): the median of 9 moved 192-204 ms between calibrations, and
+    # DDP's buckets sit there; a longer budget may now buy more samples.
+    max_samples: int = 40
+    backend: str = "gloo"  # nccl: the ranks' tensors on GPUs (each rank the GPU of its index)
+    device: str = "cpu"
+    out: str = ""
+    extra: dict = field(default_factory=dict)
+    busy_repeats: int = 21  # samples of the busy-progress measurement (0: skip it)
+    busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
+    # Samples of two all-reduces at once (0: skip it). The model's overlap turns a small change
+    # of its figure into a large one of the idle link it fills (1 - x*S/T): at 100 Mbit/s two
+    # calibrations of 7 read 93.7 and 86.5 ns/B, and the DDP CNN +6.9 and +1.5 % (one pair
+    # spread 187-208 ms within a calibration). 21 cost 4-9 s more.
+    pair_repeats: int = 21
+    # The sweep visits every size this many times, each with a share of the budget, and the
+    # two-at-once measurement runs a share after each visit: an op's level moves over seconds here.
+    # At 100 Mbit/s the 1 MiB all-reduce's median read 93.3-99.8 ms in eight calibrations of one
+    # cluster, each from one 4 s window (92.8-94.8 in eight with three passes), and the MLP's
+    # model-mode iteration followed it (each profile within +-0.7 ms over three runs).
+    sweep_passes: int = 3
+    stall_repeats: int = 32  # samples per (size, gap) of the op-after-compute measurement (0: skip it)
+    stall_groups: int = 4  # spread over this many fresh process groups
+    stall_gaps_s: tuple[float, ...] = (0.002, 0.006, 0.02)  # the compute before each of its ops
+    stall_budget_s: float = 60.0
+
+
+def _worker(plan_path: str) -> None:
+    """One calibration rank (``python -m neuronabox.fidelity.measure PLAN``): measure every op and size."""
+    import torch
+    import torch.distributed as dist
+
+    plan = WorkerPlan(**json.loads(Path(plan_path).read_text()))
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if plan.device == "cuda":
+        # One GPU per rank, by its index; NCCL's ops are asynchronous on the GPU: sync() ends a timing.
+        device = torch.device("cuda", int(os.environ.get("RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dist.init_process_group(plan.backend)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    results: dict[str, list[dict]] = {}
+    unsupported: dict[str, str] = {}
+    truncated: dict[str, int] = {}
+
+    def decide(values: list[float]) -> list[float]:
+        # Every rank must run the same number of ops, and a timing is the slowest rank's: the max
+        # is everyone's. A block of timings is gathered once after the block: an op gathering each
+        # sample right after it slows the next (100 Mbit/s, 1 ms: 1 MiB 98.9-99.2 ms against
+        # 92.3-94.2 with only the barrier between samples, 92.9-93.4 with compute).
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    passes = max(1, plan.sweep_passes)
+    for op_name in plan.ops:
+        op = Op.parse(op_name)
+        rows: list[dict] = []
+        for size in plan.sizes:
+            try:
+                call, nbytes = _op_call(op, size, rank, n, device)
+                call()  # warm-up; also finds ops this library lacks
+                sync()
+                ok = 1.0
+            except (RuntimeError, ValueError, NotImplementedError) as exc:
+                ok, why = 0.0, str(exc).splitlines()[0][:200]
+            if decide([1.0 - ok])[0] > 0:
+                if not rows:
+                    unsupported[op.value] = why if ok == 0.0 else "failed on another rank"
+                break
+            dist.barrier()
+            sync()
+            t = time.perf_counter()
+            call()
+            sync()
+            first = decide([time.perf_counter() - t])[0]
+            k = max(1, min(1000, int(plan.sample_s / max(first, 1e-7))))
+            samples_n = max(-(-plan.min_samples // passes),
+                            min(plan.max_samples // passes, int(plan.budget_s / passes / max(first * k, 1e-7))))
+            samples = _sweep_samples(call, k, samples_n, sync, decide)
+            med = statistics.median(samples)
+            rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples, "per_pass": samples_n})
+            if rank == 0:
+                print(f"{op.value:>14} {nbytes:>11} B  {med * 1e6:12.1f} us  (k={k}, {samples_n} samples)", flush=True)
+            if op is Op.BARRIER:
+                break  # no size
+            if med > plan.max_op_s:
+                truncated[op.value] = nbytes
+                break
+        if rows:
+            results[op.value] = rows
+    # Two all-reduces at once, in a share after each pass: its figure is a ratio of two times,
+    # and both move with the level as the sweep's do.
+    ar_rows = results.get(Op.ALL_REDUCE.value, [])
+    pair_sizes = _pair_sizes(plan, ar_rows) if plan.pair_repeats > 0 and len(ar_rows) >= 2 else []
+    pairs: dict[int, tuple[list[float], list[float]]] = {}
+    for p in range(passes):
+        if p > 0:
+            for op_name, rows in results.items():
+                op = Op.parse(op_name)
+                for row in rows:
+                    call, _ = _op_call(op, row["size"], rank, n, device)
+                    call()
+                    sync()
+                    row["samples"] += _sweep_samples(call, row["k"], row["per_pass"], sync, decide)
+                    row["time_s"] = statistics.median(row["samples"])
+        for size in pair_sizes:
+            single, two = _pair_samples(size, -(-plan.pair_repeats // passes), decide)
+            singles, twos = pairs.setdefault(size, ([], []))
+            singles.extend(single)
+            twos.extend(two)
+    busy = cpu = pair = stall = None
+    if plan.stall_repeats > 0 and results.get(Op.ALL_REDUCE.value):
+        stall = _spin_stall(plan, results[Op.ALL_REDUCE.value], decide)
+        if rank == 0:
+            for c in stall["cells"]:
+                print(f"{c['gap_s'] * 1e3:.0f} ms after compute: a {c['size']} B all-reduce took "
+                      f"{c['median_excess_s'] * 1e3:.2f} ms more than in the sweep (median); a rank spun in "
+                      f"{c['spun']:.0%} of {len(c['samples'])} (median {c['median_spin_stall_s'] * 1e3:.2f} ms)", flush=True)
+    if plan.busy_repeats > 0 and results.get(Op.ALL_REDUCE.value):
+        busy = _busy_progress(plan, results[Op.ALL_REDUCE.value], decide)
+        cpu = _cpu_cost(results[Op.ALL_REDUCE.value], n, decide)
+        if rank == 0:
+            print(f"busy progress: rate {busy['rate']:.3f} at {busy['size']} B "
+                  f"(idle {busy['idle_s'] * 1e3:.2f} ms, computing {busy['compute_s'] * 1e3:.2f} ms)", flush=True)
+        if rank == 0 and cpu:
+            print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.1f} us + {cpu['per_byte_s'] * 1e9:.3f} ns/B "
+                  f"(all-reduce)", flush=True)
+    if pairs:
+        pair = _concurrency(ar_rows, n, pairs)
+        if rank == 0:
+            print(f"two at once: {pair['size']} B all-reduce {pair['single_s'] * 1e3:.2f} ms alone, "
+                  f"{pair['pair_s'] * 1e3:.2f} ms for two", flush=True)
+    if rank == 0:
+        Path(plan.out).write_text(json.dumps({"ops": results, "unsupported": unsupported, "truncated": truncated,
+                                              "busy_progress": busy, "cpu_cost": cpu, "concurrency": pair,
+                                              "spin_stall": stall}))
+    dist.destroy_process_group()
+
+
+def _sweep_samples(call: Callable[[], object], k: int, count: int, sync, decide) -> list[float]:
+    """``count`` samples of ``k`` back-to-back calls each, every rank starting each after a barrier; seconds per call, the slowest rank's."""
+    import torch.distributed as dist
+
+    samples = []
+    for _ in range(count):
+        dist.barrier()
+        sync()
+        t = time.perf_counter()
+        for _ in range(k):
+            call()
+        sync()
+        samples.append((time.perf_counter() - t) / k)
+    return decide(samples)
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores; user, system, irq, softirq, steal)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = f.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+CPU_COST_MIN_BYTES = 64 << 10  # DDP's gradient buckets and up: the line must hold where training's ops are
+CPU_COST_POINTS = 6
+
+
+def cpu_cost_rows(rows: list[dict]) -> list[dict]:
+    """The sweep rows the CPU cost is measured at: up to six, evenly spread over those from 64 KiB that take at most 0.2 s.
+
+    The line fitted through them is what model mode spends for every op, so it has to hold at a
+    gradient bucket's size. Three sizes of 5-200 ms (4, 16 and 64 MiB at 10 Gbit/s) put its
+    intercept at 1.75 ms, and a 1 MiB all-reduce at 3.1 ms of CPU per rank, more than its 2.5 ms
+    of wall time: the 10 Gbit/s MLP's backward lost 1.2 ms more to the footprint than to gloo
+    (its second bucket issued 3.1 ms after the forward, 2.0 in the real system). Measured from
+    128 KiB up, 1 MiB cost 1.5 ms and the fit 0.26 ms + 1.29 ns/B; the bucket issued at 1.8 ms.
+    """
+    picks = [r for r in rows if r["size"] >= CPU_COST_MIN_BYTES and r["time_s"] <= 0.2]
+    if len(picks) <= CPU_COST_POINTS:
+        return picks
+    at = sorted({round(i * (len(picks) - 1) / (CPU_COST_POINTS - 1)) for i in range(CPU_COST_POINTS)})
+    return [picks[i] for i in at]
+
+
+def _cpu_cost(rows: list[dict], n: int, decide) -> dict | None:
+    """CPU per rank that an all-reduce costs the host, as a line in the size; and the ranks' own share.
+
+    Every rank of the calibration runs on this machine, so the machine's busy time while the
+    ranks run k ops, less the idle machine's own rate, over k·n is one rank's share: gloo's
+    threads, the kernel's TCP and softirqs, and, on an ``nbox up`` cluster, the relay that delays
+    its links (at 100 Mbit/s 32 ms per 2 MiB all-reduce against 4.6 ms in each rank's process).
+    That is what the compute beside the op loses on this host, so it is what model mode spends.
+    ``process_per_byte_s`` (each rank's own process CPU) is kept for the record. Measured at the
+    sizes of ``cpu_cost_rows``; each window lasts at least 1 s (the kernel counts in
+    10 ms ticks), and the idle rate comes from 0.5 s idle windows before each, pooled (it was
+    one 0.3 s window: 3 ticks of noise). The cost itself still varies between calibrations: at
+    100 Mbit/s 5.6, 9.4 and 12.3 ns/B per rank with the shorter windows, 7.5, 9.8 and 9.6 in
+    three with these (the relay's CPU per byte depends on how its reads fall).
+    """
+    import torch
+    import torch.distributed as dist
+
+    picks = cpu_cost_rows(rows)
+    if not picks:
+        return None
+    idle_busy = idle_wall = 0.0
+    windows, own = [], []
+    for r in picks:
+        dist.barrier()
+        t, b = time.perf_counter(), _machine_busy_s()
+        time.sleep(0.5)
+        idle_busy += _machine_busy_s() - b
+        idle_wall += time.perf_counter() - t
+        x = torch.ones(max(1, r["size"] // 4))
+        k = max(2, int(1.0 / r["time_s"]))
+        dist.barrier()
+        t, b, c = time.perf_counter(), _machine_busy_s(), time.process_time()
+        for _ in range(k):
+            dist.all_reduce(x)
+        mine = torch.tensor([(time.process_time() - c) / k], dtype=torch.float64)
+        dist.barrier()
+        windows.append((float(x.numel() * 4), k, time.perf_counter() - t, _machine_busy_s() - b))
+        dist.all_reduce(mine)
+        own.append((float(x.numel() * 4), mine.item() / n))  # summed over the ranks: the same on each
+    base_rate = decide([max(0.0, idle_busy / idle_wall)])[0]
+    pts = [(size, decide([max(0.0, busy - base_rate * wall) / k / n])[0]) for size, k, wall, busy in windows]
+    extra = {"points": pts, "idle_rate": base_rate,
+             "process_per_byte_s": sum(y for _, y in own) / max(sum(x for x, _ in own), 1.0), "process_points": own}
+    measured = [p for p in pts if p[1] > 0]
+    if len(measured) < 2:  # one point (or none above the noise): all of it per byte
+        per_byte = measured[0][1] / measured[0][0] if measured else 0.0
+        return {"per_op_s": 0.0, "per_byte_s": per_byte, **extra}
+    # The same line fit as the op times: relative error, intercept and slope >= 0.
+    per_op, per_byte, _ = fit_line([p[0] for p in measured], [p[1] for p in measured])
+    return {"per_op_s": per_op, "per_byte_s": per_byte, **extra}
+
+
+def _after_barrier(call: Callable[[], object]) -> float:
+    """Seconds ``call()`` took on this rank, every rank starting it after a barrier."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    call()
+    return time.perf_counter() - t
+
+
+def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
+    """How fast an all-reduce progresses while every rank computes, relative to idle ranks (0..1).
+
+    A sample: all ranks start an async all-reduce of S bytes, compute (matrix products on the
+    main thread) for ``Tc`` = its time in the sweep, then wait; the op took ``T``, and ``W``
+    idle. Work left after computing was ``W - r·Tc``, so ``T = Tc + W - r·Tc`` and
+    ``r = 1 - (T - W)/Tc``. ``Tc ≈ W`` spans r = 0..1 over T = 2W..W, so a few ms of noise in
+    one sample moves r little (with W/2 the rate at 100 Mbit/s swung between 0.6 and 1.0). Idle
+    and busy samples alternate, so drift hits both; the rate is the median of 21 (of 9, it read
+    0.71-1.00 in six calibrations of one 1 Gbit/s network).
+    """
+    import torch
+    import torch.distributed as dist
+
+    # The smallest measured size whose all-reduce lasts the target: long enough to time well.
+    # Its sweep time is the compute window: agreed already, so every rank computes as long.
+    row = next((r for r in rows if r["time_s"] >= plan.busy_target_s), rows[-1])
+    x = torch.ones(max(1, row["size"] // 4))
+    a = torch.randn(128, 128)
+    tc = row["time_s"]
+
+    def compute(until: float) -> int:
+        done = 0
+        while time.perf_counter() < until:
+            torch.mm(a, a)
+            done += 1
+        return done
+
+    def beside_op() -> None:
+        t = time.perf_counter()
+        work = dist.all_reduce(x, async_op=True)
+        beside.append(compute(t + tc))
+        work.wait()
+
+    idle, busy, alone, beside = [], [], [], []
+    dist.all_reduce(x)
+    for _ in range(plan.busy_repeats):
+        # Samples are gathered once after the block: an op agreeing each right after it slowed
+        # the next one timed (the sweep's lesson, 2a044bc).
+        idle.append(_after_barrier(lambda: dist.all_reduce(x)))
+        dist.barrier()
+        alone.append(compute(time.perf_counter() + tc))  # the same compute with no op in flight
+        busy.append(_after_barrier(beside_op))
+    both = decide(idle + busy)
+    idle, busy = both[:len(idle)], both[len(idle):]
+    w = statistics.median(idle)
+    rates = [max(0.0, min(1.0, 1.0 - (took - w) / tc)) for took in busy]
+    # Compute each rank lost beside the op: its matrix products against the same window alone.
+    rank, n = dist.get_rank(), dist.get_world_size()
+    lost = torch.zeros(n, dtype=torch.float64)
+    lost[rank] = w * max(0.0, 1.0 - statistics.median(beside) / max(statistics.median(alone), 1))
+    dist.all_reduce(lost)
+    return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": tc,
+            "idle_samples": idle, "busy_samples": busy, "rates": rates, "lost_compute_s": lost.tolist()}
+
+
+STALL_MIN_S = 0.3e-3  # a rank's CPU in an op beyond its fast runs: below this, noise, not a spin
+
+
+def _spin_stall(plan: WorkerPlan, rows: list[dict], decide) -> dict:
+    """The op's wall time beyond the sweep's and each rank's CPU beyond its fast runs, for ops issued after compute.
+
+    Gloo's I/O thread handles a socket only when it gets the pair's lock without waiting; while
+    another thread of the rank holds it, epoll reports the socket again and again and the I/O
+    thread spins. With one core per rank the holder waits for that core, so the op stalls until
+    the scheduler rotates, and the spin burns the rank's core meanwhile. Measured on the 2-core
+    machine, 10 Gbit/s: after 20 ms of compute a 0.37 MB all-reduce took 3.4-6.5 ms where the
+    sweep's back-to-back loop takes 0.6, and the slow ones spent that time in CPU on one or both
+    ranks; after 2 ms of compute it stalled in some runs and not in others. So the gap matters:
+    a sample is ``gap`` seconds of matrix products on every rank, then one all-reduce timed in
+    wall and process CPU time per rank, in one block per cell and group. Kept per
+    (size, gap): samples of (wall excess, CPU excess of rank 0, of rank 1, ...), each with the
+    process group it ran in (``stall_groups`` fresh ones, as each stalls at a rate of its own).
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    a = torch.randn(128, 128)
+    # Three sizes a training step issues: a tiny op, a small bucket, DDP's first bucket (1 MiB);
+    # of each, the largest that the sweep measured under 50 ms.
+    picks: dict[int, float] = {}
+    for want in (4, 256 << 10, 1 << 20):
+        cands = [r for r in rows if r["size"] <= want and r["time_s"] < 0.05]
+        if cands:
+            picks[cands[-1]["size"]] = cands[-1]["time_s"]
+    bufs = {size: torch.ones(max(1, size // 4)) for size in picks}
+    cells = [(size, gap) for size in picks for gap in plan.stall_gaps_s]
+    walls: dict[tuple, list[float]] = {c: [] for c in cells}
+    cpus: dict[tuple, list[list[float]]] = {c: [] for c in cells}
+    groups: dict[tuple, list[int]] = {c: [] for c in cells}
+    per_group = max(1, plan.stall_repeats // plan.stall_groups)
+    t_all = time.perf_counter()
+    for gi in range(plan.stall_groups):
+        # Each group is a fresh gloo context (its own threads and sockets), and how often its ops
+        # stall is its own: 1 MiB after 2 ms, 0 to 21 of 22 in six groups of one process. A job
+        # keeps one for its life, so the samples keep their group and a run draws from one.
+        pg = dist.new_group(backend="gloo")
+        for x in bufs.values():
+            dist.all_reduce(x, group=pg)
+        # A cell's samples run as one block, each op after the same compute and the same op: a
+        # training step repeats one pattern. Cells interleaved stalled more (10 Gbit/s, 1 MiB
+        # after 2 ms: a 4.0-5.6 ms median against 2.6-3.1 in blocks, three pairs of runs; 4 B
+        # 0.9-2.4 against 0.6-0.9), more than DDP's ops did (its MLP's 1 MiB bucket 3.5-4.8 ms
+        # with a 0.5 MiB one beside it). A block's first op follows another cell: left out.
+        order = [cell for cell in cells for _ in range(per_group + 1)]
+        mine = torch.zeros(len(order), n + 1, dtype=torch.float64)
+        for i, (size, gap) in enumerate(order):
+            # Compute, then the op, and nothing else between ops: as in a training step, the
+            # op before is what the compute follows. A barrier (or an op gathering the figures)
+            # before each made it stall more (10 Gbit/s, 0.37 MB after 6 ms: 6.7 ms median with
+            # a barrier, 1.2 without); the figures are gathered once the group is done.
+            until = time.perf_counter() + gap
+            while time.perf_counter() < until:
+                torch.mm(a, a)
+            t, c = time.perf_counter(), time.process_time()
+            dist.all_reduce(bufs[size], group=pg)
+            mine[i, 0], mine[i, 1 + rank] = time.perf_counter() - t, time.process_time() - c
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=pg)
+        for i, (cell, row) in enumerate(zip(order, mine.tolist())):
+            if i % (per_group + 1) == 0:
+                continue
+            walls[cell].append(row[0])
+            cpus[cell].append(row[1:])
+            groups[cell].append(gi)
+        dist.destroy_process_group(pg)
+        if decide([time.perf_counter() - t_all])[0] > plan.stall_budget_s:
+            break  # a slow network: what was measured will do
+
+    def excess(values: list[float]) -> list[float]:
+        base = sorted(values)[len(values) // 10]
+        return [v - base if v - base >= STALL_MIN_S else 0.0 for v in values]
+
+    cells_out = []
+    for (size, gap), w in walls.items():
+        # Wall time against the sweep's (what the profile's fit holds): an op after compute is
+        # slower even when no rank spins (10 Gbit/s, 2 MiB: 3.8 ms at best, 2.6 in the sweep).
+        # Signed: the sweep's own samples can be two modes (10 Gbit/s, 512 KiB: 0.55 ms or 2-3.6),
+        # its median between them, and an op after compute that took the fast one took less.
+        # Clamped at 0, the draws averaged more than the samples did: every sample's noise below
+        # the sweep's median counted as none, every one above it as a stall.
+        w_ex = [v - picks[size] for v in w]
+        c_ex = list(zip(*[excess([c[r] for c in cpus[(size, gap)]]) for r in range(n)]))
+        spun = [x for x, c in zip(w_ex, c_ex) if max(c) > 0]
+        cells_out.append({"size": bufs[size].numel() * 4, "gap_s": gap, "swept_s": picks[size],
+                          "samples": [[x, *c] for x, c in zip(w_ex, c_ex)], "groups": groups[(size, gap)],
+                          "spun": len(spun) / len(w_ex), "median_excess_s": statistics.median(w_ex),
+                          "median_spin_stall_s": statistics.median(spun) if spun else 0.0})
+    return {"ranks": n, "cells": cells_out}
+
+
+def _pair_sizes(plan: WorkerPlan, rows: list[dict]) -> list[int]:
+    """The sizes ``_concurrency`` measures: the main one (the smallest that takes ``busy_target_s`` x 3) and DDP's bucket sizes below it."""
+    main = next((r["size"] for r in rows if r["time_s"] >= 3 * plan.busy_target_s), rows[-1]["size"])
+    return sorted({s for s in PAIR_SIZES if s < main} | {main})
+
+
+def _concurrency(rows: list[dict], n: int, pairs: dict[int, tuple[list[float], list[float]]]) -> dict:
+    """Link time per byte of all-reduce when two run at once (gloo runs two ops of a group together), by size.
+
+    One all-reduce leaves the link idle part of its time (the ring waits on each step's
+    reduction and round trip); a second op in flight fills it. Measured at 100 Mbit/s, 1 ms: a
+    2.1 MB all-reduce alone 193 ms, with a 0.37 MB one issued 36 ms in 214 ms together where
+    one after the other is 228. Two all-reduces of S bytes started together take ``T2``; their
+    bytes share the link, so its time per byte is ``(T2 - t(4 B)) / 2S`` (the latency once).
+    The main S is the smallest measured size that takes ``busy_target_s`` x 3 (long enough that
+    the link, not the start, dominates); ``points`` adds DDP's bucket sizes below it, where the
+    share differs: at 10 Gbit/s two 64 MiB ops read 1.4 ns/B, a 1 MiB and a 0.5 MiB one 2.9-4.0
+    ms together against 3.3-4.6 one after the other (0.9 of serial, where the 64 MiB figure lets
+    the model overlap a third of each). ``pairs``: per size, the samples of one alone and of two
+    at once (``_pair_samples``); medians.
+    """
+    latency = rows[0]["time_s"]
+    points = []
+    for size, (single, two) in sorted(pairs.items()):
+        t1, t2 = statistics.median(single), statistics.median(two)
+        points.append({"size": size, "single_s": t1, "pair_s": t2,
+                       "sec_per_byte": max(t2 - latency, 0.0) / (2 * size),
+                       "single_samples": single, "pair_samples": two})
+    top = points[-1]
+    return {**top, "ranks": n, "points": [{k: v for k, v in pt.items() if not k.endswith("_samples")} for pt in points]}
+
+
+def pair_ratios(concurrency: dict) -> list[tuple[int, float]]:
+    """(size, two at once over one after the other) per size the profile's ``concurrency`` measured."""
+    return [(pt["size"], pt["pair_s"] / (2 * pt["single_s"])) for pt in concurrency.get("points") or []
+            if pt["single_s"] > 0]
+
+
+def _pair_samples(size: int, repeats: int, decide) -> tuple[list[float], list[float]]:
+    """Seconds of one all-reduce of ``size`` bytes alone and of two at once, alternating; the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.ones(max(1, size // 4)), torch.ones(max(1, size // 4))
+    dist.all_reduce(a)
+
+    def two() -> None:
+        for w in [dist.all_reduce(x, async_op=True) for x in (a, b)]:
+            w.wait()
+
+    single, pair = [], []
+    for _ in range(repeats):
+        single.append(_after_barrier(lambda: dist.all_reduce(a)))
+        pair.append(_after_barrier(two))
+    both = decide(single + pair)
+    return both[:repeats], both[repeats:]
+
+
+def _op_call(op: Op, size: int, rank: int, n: int, device=None):
+    """A zero-argument function running ``op`` on ``size`` bytes (nccl-tests size) on ``device``, and the bytes it really moves."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    ones = functools.partial(torch.ones, device=device)
+    empty = functools.partial(torch.empty, device=device)
+
+    elems = max(1, size // 4)
+    if op in _CHUNKED:
+        elems = max(n, (elems + n - 1) // n * n)  # n equal chunks of at least one element
+    nbytes = elems * 4
+    if op is Op.ALL_REDUCE:
+        x = ones(elems)
+        return (lambda: dist.all_reduce(x)), nbytes
+    if op is Op.BROADCAST:
+        x = ones(elems)
+        return (lambda: dist.broadcast(x, 0)), nbytes
+    if op is Op.REDUCE:
+        x = ones(elems)
+        return (lambda: dist.reduce(x, 0)), nbytes
+    if op is Op.ALL_GATHER:
+        out, inp = empty(elems), ones(elems // n)
+        return (lambda: dist.all_gather_into_tensor(out, inp)), nbytes
+    if op is Op.REDUCE_SCATTER:
+        inp, out = ones(elems), empty(elems // n)
+        return (lambda: dist.reduce_scatter_tensor(out, inp)), nbytes
+    if op is Op.ALL_TO_ALL:
+        inp, out = ones(elems), empty(elems)
+        return (lambda: dist.all_to_all_single(out, inp)), nbytes
+    if op is Op.GATHER:
+        inp = ones(elems // n)
+        outs = [empty(elems // n) for _ in range(n)] if rank == 0 else None
+        return (lambda: dist.gather(inp, outs, dst=0)), nbytes
+    if op is Op.SCATTER:
+        out = empty(elems // n)
+        ins = [ones(elems // n) for _ in range(n)] if rank == 0 else None
+        return (lambda: dist.scatter(out, ins, src=0)), nbytes
+    if op is Op.SEND_RECV:
+        # nccl-tests SendRecv: every rank sends to the next and receives from the previous, at once.
+        send, recv = ones(elems), empty(elems)
+
+        def sendrecv() -> None:
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % n),
+                                           dist.P2POp(dist.irecv, recv, (rank - 1) % n)])
+            for r in reqs:
+                r.wait()
+
+        return sendrecv, nbytes
+    if op is Op.BARRIER:
+        return (lambda: dist.barrier()), 0
+    raise ValueError(f"{op.value} cannot be calibrated")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
