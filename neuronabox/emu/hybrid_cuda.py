@@ -29,7 +29,8 @@ import torch.distributed as dist
 from ..collectives import Op
 from . import cuda_wait
 from .backend import NboxWork, UnsupportedCollective
-from .hybrid import HybridGroup, _base_op, _nbytes, _opts, _pre_reduce
+from .hybrid import HybridGroup
+from .hybrid_gloo import _base_op, _nbytes, _opts, _pre_reduce
 
 __all__ = ["NcclRules"]
 
