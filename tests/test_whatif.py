@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from neuronabox.errors import InputError
-from neuronabox.fidelity.whatif import Knob, apply_point, grid, parse_sweep
+from neuronabox.fidelity.whatif import Knob, WhatIfResult, apply_point, grid, load_outputs, parse_sweep, write_outputs
 
 from .conftest import ROOT, run_nbox, switch_topology
 
@@ -58,6 +58,47 @@ def test_a_short_sweep_writes_csv_table_and_plot(tmp_path):
     assert slow - fast > 15  # at least the last bucket's 20 ms is exposed
     assert (out / "whatif.md").read_text().count("\n") == 4
     assert (out / "whatif_inject_all_reduce.png").read_bytes()[:4] == b"\x89PNG"
+    # whatif.json holds what the plots draw: `nbox report` draws them again from it alone.
+    results, knobs, context = load_outputs(out / "whatif.json")
+    assert [r.point for r in results] == [{"inject.all_reduce": "0ms"}, {"inject.all_reduce": "20ms"}]
+    assert results[1].iteration_median_s * 1e3 == pytest.approx(slow, abs=1e-3) and len(results[0].runs) == 1
+    assert knobs == [Knob("inject.all_reduce", ("0ms", "20ms"))] and "ddp_train.py" in context
+    (out / "whatif_inject_all_reduce.png").unlink()
+    r = run_nbox("report", str(out / "whatif.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "iteration median (ms)" in r.stdout and "whatif_inject_all_reduce.png" in r.stdout
+    assert (out / "whatif_inject_all_reduce.png").read_bytes()[:4] == b"\x89PNG"
+    r = run_nbox("report", str(out / "whatif.json"), "--png", str(tmp_path / "x.png"))
+    assert r.returncode == 2 and "one per knob" in r.stderr
+
+
+def _results() -> tuple[list[WhatIfResult], list[Knob]]:
+    knobs = [Knob("inject.all_reduce", ("0ms", "5ms"))]
+    return [WhatIfResult({"inject.all_reduce": v}, t, t * 1.1, e, c, [t]) for v, t, e, c in
+            (("0ms", 0.1, 0.01, 0.02), ("5ms", 0.11, 0.02, 0.03))], knobs
+
+
+def test_without_matplotlib_a_sweep_still_writes_its_tables(tmp_path, monkeypatch):
+    # A GPU machine with no package index gets neuronabox without its dependencies; matplotlib
+    # may be missing there. The sweep's numbers must not be lost with the plots.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ModuleNotFoundError
+    results, knobs = _results()
+    written = write_outputs(results, knobs, tmp_path, "ctx")
+    assert sorted(p.name for p in written) == ["whatif.csv", "whatif.json", "whatif.md"]
+    back, back_knobs, context = load_outputs(tmp_path / "whatif.json")
+    assert back == results and back_knobs == knobs and context == "ctx"
+
+
+def test_load_outputs_names_the_file_and_what_is_wrong(tmp_path):
+    f = tmp_path / "whatif.json"
+    with pytest.raises(InputError, match="no such file"):
+        load_outputs(f)
+    f.write_text('{"format": "neuronabox-calibration/1"}')
+    with pytest.raises(InputError, match="expected 'neuronabox-whatif/1'"):
+        load_outputs(f)
+    f.write_text('{"format": "neuronabox-whatif/1", "knobs": [{"name": "x"}], "results": []}')
+    with pytest.raises(InputError, match="knobs/results"):
+        load_outputs(f)
 
 
 def test_whatif_bad_usage_exits_2(tmp_path):

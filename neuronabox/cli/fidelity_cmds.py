@@ -20,7 +20,7 @@ def whatif(
                                     "world_size, straggler.RANK, model, topology (repeatable: the grid is their product)."),
     repeats: int = typer.Option(1, "--repeats", help="Runs per grid point (interleaved)."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Iterations left out of each run's statistics."),
-    out: Path = typer.Option(Path("whatif-out"), "-o", "--out", help="Folder for the CSV, Markdown table and PNGs."),
+    out: Path = typer.Option(Path("whatif-out"), "-o", "--out", help="Folder for the CSV, Markdown table, JSON and PNGs."),
     profile: Optional[Path] = typer.Option(
         None, "--profile", help="Calibration profile (nbox calibrate) over emulation.profile; selects model calibrated "
         "(a model= knob still picks other models for its points)."),
@@ -53,8 +53,12 @@ def whatif(
                f"{repeats} run{'s' if repeats > 1 else ''} per point; command: {' '.join(command)}")
     if len(context) > 150:
         context = context[:147] + "..."
-    for path in write_outputs(results, knobs, out, context):
+    written = write_outputs(results, knobs, out, context)
+    for path in written:
         console.print(f"wrote {path}")
+    if not any(p.suffix == ".png" for p in written):
+        console.print(f"no plots: matplotlib is not installed here (a dependency of neuronabox); where it is, "
+                      f"`nbox report {out / 'whatif.json'}` draws them", style="yellow", highlight=False)
     console.print((out / "whatif.md").read_text())
 
 

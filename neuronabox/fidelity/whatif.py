@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import statistics
-from dataclasses import dataclass, field
+import textwrap
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -26,7 +28,10 @@ from ..errors import InputError
 from ..topology import Topology, load_topology
 from ..units import UnitError, parse_duration
 
-__all__ = ["Knob", "parse_sweep", "grid", "apply_point", "WhatIfResult", "run_sweep", "write_outputs"]
+__all__ = ["Knob", "parse_sweep", "grid", "apply_point", "WhatIfResult", "run_sweep", "write_outputs", "write_plots",
+           "load_outputs", "FORMAT"]
+
+FORMAT = "neuronabox-whatif/1"
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,7 @@ def _numeric(value: str) -> float | None:
 
 
 def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path, context: str = "") -> list[Path]:
-    """CSV, Markdown table and one PNG per knob (iteration time and exposed communication versus the knob).
+    """CSV, Markdown table, ``whatif.json`` and one PNG per knob (iteration time and communication versus the knob).
 
     ``context`` (topology, world, model, runs per point) goes under each plot's title.
     """
@@ -207,11 +212,42 @@ def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: P
                      f"{r.iteration_p95_s * 1e3:.2f} | {r.exposed_median_s * 1e3:.2f} | {r.comm_median_s * 1e3:.2f} |")
     md.write_text("\n".join(lines) + "\n")
     written.append(md)
-    written += _plots(results, knobs, out, context)
+    doc = {"format": FORMAT, "context": context, "knobs": [{"name": k.name, "values": list(k.values)} for k in knobs],
+           "results": [asdict(r) for r in results]}
+    js = out / "whatif.json"
+    js.write_text(json.dumps(doc, indent=1) + "\n")
+    written.append(js)
+    try:
+        written += write_plots(results, knobs, out, context)
+    except ModuleNotFoundError as exc:
+        # A dependency, missing only where the package went in without its dependencies (a
+        # lent GPU machine with no index): the tables stand, whatif.json can be drawn elsewhere.
+        if exc.name != "matplotlib":
+            raise
     return written
 
 
-def _plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path, context: str = "") -> list[Path]:
+def load_outputs(path: Path) -> tuple[list[WhatIfResult], list[Knob], str]:
+    """The results, knobs and context of an earlier sweep from its ``whatif.json`` (to draw its plots again)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file (nbox whatif writes whatif.json in its --out folder)") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise InputError(f"{path}: format is {got!r}, expected {FORMAT!r}")
+    try:
+        knobs = [Knob(k["name"], tuple(k["values"])) for k in doc["knobs"]]
+        results = [WhatIfResult(**r) for r in doc["results"]]
+    except (KeyError, TypeError) as exc:
+        raise InputError(f"{path}: knobs/results: {exc}") from None
+    return results, knobs, str(doc.get("context", ""))
+
+
+def write_plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path, context: str = "") -> list[Path]:
+    """One PNG per knob: iteration time, and exposed and in-collective communication, versus the knob."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -262,10 +298,11 @@ def _plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path, co
                 ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
             else:
                 ax.set_xticks(range(len(knob.values)), knob.values)
-            ax.legend(fontsize=8, loc="upper left")
+            ax.legend(fontsize=8, loc="best")  # where it hides the least: the curves sit high or low
         ax1.set_title("iteration time", fontsize=10)
         ax2.set_title("exposed vs inside collectives", fontsize=10)
-        fig.suptitle(f"what-if: {knob.name}" + (f"\n{context}" if context else ""), fontsize=11)
+        # The context (topology, model, command) runs longer than the figure is wide: wrapped, not clipped.
+        fig.suptitle(f"what-if: {knob.name}" + (f"\n{textwrap.fill(context, 130)}" if context else ""), fontsize=10)
         fig.tight_layout()
         path = out / f"whatif_{knob.name.replace('.', '_')}.png"
         fig.savefig(path, dpi=110)
