@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 (CPU build) lies on this kind of machine's disk; pinning it avoids a multi-GB CUDA download.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench clean venv sysdeps
+.PHONY: demo test bench clean venv sysdeps gpu-kit
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,22 @@ bench: venv
 	$(BIN)/python benchmarks/model_speed.py
 	$(BIN)/python benchmarks/flow_speed.py
 	$(BIN)/python benchmarks/emu_overhead.py
+
+# Wheels for benchmarks/gpu_checks.sh on the lent GPU machine, which has torch, numpy and transformers
+# but no package index: neuronabox's other dependencies but matplotlib, pytest, and theirs (pinned
+# together, as pydantic pins pydantic-core; pytest's for Python 3.10 named, as pip download reads
+# dependency markers for the Python it runs on), for CPython 3.10-3.13 on x86_64 Linux. It travels
+# with the run (carry .gpu-kit).
+GPU_KIT_WHEELS := pydantic PyYAML Jinja2 networkx typer rich prometheus-client psutil pyroute2 nvidia-ml-py pytest \
+	exceptiongroup tomli
+gpu-kit:
+	rm -rf .gpu-kit && mkdir -p .gpu-kit/wheels
+	for v in 3.10 3.11 3.12 3.13; do \
+		$(PYTHON) -m pip download -q --only-binary=:all: --implementation cp --python-version $$v \
+			--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+			-d .gpu-kit/wheels $(GPU_KIT_WHEELS) || exit 1; \
+	done
+	du -sh .gpu-kit
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
