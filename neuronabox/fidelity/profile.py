@@ -12,6 +12,7 @@ from typing import Any
 
 from ..collectives import Op
 from ..errors import InputError
+from ..jsondoc import read_document
 from .fit import OpFit, link_estimate
 
 __all__ = ["FORMAT", "topology_hash", "network_summary", "make_profile", "library_info", "save_profile",
@@ -75,15 +76,7 @@ def save_profile(profile: dict[str, Any], path: Path) -> None:
 def load_profile(path: str | Path) -> dict[str, Any]:
     """Read and check a profile; its op fits come back as ``OpFit`` under ``fits``."""
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"calibration profile {str(p)!r}: no such file (nbox calibrate writes one)") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"calibration profile {str(p)!r}: not readable JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        got = doc.get("format") if isinstance(doc, dict) else None
-        raise InputError(f"calibration profile {str(p)!r}: format is {got!r}, expected {FORMAT!r}")
+    doc = read_document(p, f"calibration profile {str(p)!r}", FORMAT, "nbox calibrate writes one")
     try:
         doc["fits"] = {Op.parse(k): OpFit.from_dict(v) for k, v in doc.get("ops", {}).items()}
     except (KeyError, TypeError, ValueError) as exc:

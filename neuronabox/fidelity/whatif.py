@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ..collectives import Op
 from ..errors import InputError
+from ..jsondoc import read_document
 from ..topology import Topology, load_topology
 from ..units import UnitError, parse_duration
 
@@ -229,15 +230,7 @@ def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: P
 
 def load_outputs(path: Path) -> tuple[list[WhatIfResult], list[Knob], str]:
     """The results, knobs and context of an earlier sweep from its ``whatif.json`` (to draw its plots again)."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file (nbox whatif writes whatif.json in its --out folder)") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        got = doc.get("format") if isinstance(doc, dict) else None
-        raise InputError(f"{path}: format is {got!r}, expected {FORMAT!r}")
+    doc = read_document(path, str(path), FORMAT, "nbox whatif writes whatif.json in its --out folder")
     try:
         knobs = [Knob(k["name"], tuple(k["values"])) for k in doc["knobs"]]
         results = [WhatIfResult(**r) for r in doc["results"]]
