@@ -1,12 +1,24 @@
-"""The errors the CLI turns into a one-line message and exit code 2."""
+"""The errors the CLI turns into a one-line message and an exit code: 2 for bad input, 1 for a run that failed."""
 
 from __future__ import annotations
 
 
-class InputError(Exception):
+class NboxError(Exception):
+    """An error nbox reports as one line (``nbox: error: ...``) and exits with ``exit_code``."""
+
+    exit_code = 1
+
+
+class InputError(NboxError):
     """Bad input from the user: a file, a field, a value. The message is one line."""
 
     exit_code = 2
+
+
+class RunFailed(NboxError):
+    """A run that did not finish (the training command, the real system, the calibration ranks): not the input."""
+
+    exit_code = 1
 
 
 class TopologyError(InputError):

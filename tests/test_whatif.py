@@ -107,3 +107,14 @@ def test_whatif_bad_usage_exits_2(tmp_path):
     assert run_nbox("whatif", str(topo), "--", "true").returncode == 2
     r = run_nbox("whatif", str(topo), "--sweep", "colour=red", "--", "true")
     assert r.returncode == 2 and "unknown knob" in r.stderr
+    # A point the topology cannot take is refused before the progress bar and any run, led by the point.
+    four = tmp_path / "four.yaml"
+    four.write_text("cluster: {nodes: 2, ranks_per_node: 4}\nnetwork: {type: switch, link: {bandwidth: 10Gbps}}\n")
+    r = run_nbox("whatif", str(four), "--sweep", "inject.all_reduce=0ms,1ms", "--sweep", "world_size=8,6",
+                 "--", "false")
+    assert r.returncode == 2 and "what-if" not in r.stdout, r.stdout
+    assert r.stderr.startswith("nbox: error: --sweep inject.all_reduce=0ms, world_size=6: "), r.stderr
+    assert "not a multiple of 4 ranks per node" in r.stderr
+    # A command that fails is a failed run (exit 1), not bad input.
+    r = run_nbox("whatif", str(four), "--sweep", "inject.all_reduce=0ms", "--", "false")
+    assert r.returncode == 1 and "the command failed (exit 1)" in r.stderr, r.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ..errors import InputError
+from ..errors import NboxError
 
 app = typer.Typer(
     name="nbox",
@@ -53,10 +53,10 @@ from . import deploy_cmds  # noqa: E402,F401
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nbox`` console script."""
     try:
-        # Standalone mode: click prints usage errors itself and exits 2; our InputError is not
-        # one of click's exceptions, so it comes through here.
+        # Standalone mode: click prints usage errors itself and exits 2; our errors are not
+        # click's exceptions, so they come through here.
         app(args=argv, prog_name="nbox")
-    except InputError as exc:
+    except NboxError as exc:
         if _state["debug"]:
             raise
         print(f"nbox: error: {exc}", file=sys.stderr)

@@ -28,7 +28,7 @@ def whatif(
     """Run the training command over a grid of what-if knobs; write a CSV, a Markdown table and plots."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..fidelity.whatif import grid, parse_sweep, run_sweep, write_outputs
+    from ..fidelity.whatif import parse_sweep, prepare_points, run_sweep, write_outputs
 
     if not sweep:
         raise InputError("--sweep: give at least one knob, e.g. --sweep inject.all_reduce=0ms,2ms,5ms")
@@ -40,7 +40,7 @@ def whatif(
 
     base = with_profile(load(topology), profile)
     knobs = [parse_sweep(s) for s in sweep]
-    points = grid(knobs)
+    points = prepare_points(base, knobs, profile)  # every point checked before the bar and the first run
     with Progress(TextColumn("[bold]what-if"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, transient=False) as bar:
         task = bar.add_task("", total=len(points) * repeats)
@@ -48,7 +48,7 @@ def whatif(
         def progress(done, total, point, _):
             bar.update(task, completed=done, description=", ".join(f"{k}={v}" for k, v in point.items()))
 
-        results = run_sweep(base, knobs, command, repeats, warmup, progress, profile=profile)
+        results = run_sweep(points, command, repeats, warmup, progress)
     context = (f"{base.name}: {base.world_size} ranks, model {base.emulation.model}, "
                f"{repeats} run{'s' if repeats > 1 else ''} per point; command: {' '.join(command)}")
     if len(context) > 150:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..collectives import Op
-from ..errors import InputError
+from ..errors import InputError, RunFailed
 from .fit import OpFit, Segment, fit_piecewise, ring_terms
 from .measure import WorkerPlan
 from .profile import library_info, make_profile
@@ -225,7 +225,7 @@ def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path) -> dict:
     if any(codes) or not Path(plan.out).exists():
         log = logs / "rank0.log"
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-        raise _CalibrationFailed(f"the calibration ranks failed (exit codes {codes}): "
+        raise RunFailed(f"the calibration ranks failed (exit codes {codes}): "
                                  f"{' | '.join(tail) or '(no output)'}")
     return json.loads(Path(plan.out).read_text())
 
@@ -247,9 +247,5 @@ def _fit_measured(measured: dict, n: int) -> dict[str, OpFit]:
             seg = Segment(0.0, math.inf, t, 0.0, t / big_l, math.inf, 1, rows[0]["size"], rows[0]["size"])
             fits[op_name] = OpFit(op_name, n, [seg], 0.0, 0.0)
     return fits
-
-
-class _CalibrationFailed(InputError):
-    exit_code = 1
 
 

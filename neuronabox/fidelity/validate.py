@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import InputError
+from ..errors import InputError, RunFailed
 from ..emu import start_gate
 from ..stats import error_interval, percentile
 
@@ -597,7 +597,7 @@ def run_validation(
                         log = logs / f"real-{rep}" / f"rank{bad}.log"
                         tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
                         where = f" (logs in {log.parent})" if keep_logs else ""
-                        raise _RunFailed(f"the real system failed (rank exit codes {codes}); rank {bad}: "
+                        raise RunFailed(f"the real system failed (rank exit codes {codes}); rank {bad}: "
                                          f"{(tail or ['(no output)'])[0]}{where}")
                     its = json.loads(rec.read_text())["iterations"] if rec.exists() else []
                     real.runs.append(_measured(its, warmup, iterations, "real system"))
@@ -653,12 +653,6 @@ def _teardown_abort_only(codes: list[int], recorded: int, record: Path) -> bool:
     if any(c not in (0, -6) for c in codes) or not record.exists():
         return False
     return bool(json.loads(record.read_text()).get("iterations"))
-
-
-class _RunFailed(InputError):
-    """One of the systems did not finish: the run failed (exit 1), not the input."""
-
-    exit_code = 1
 
 
 def _sub(base: Path, name: str) -> Path:

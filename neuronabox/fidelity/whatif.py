@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..collectives import Op
-from ..errors import InputError
+from ..errors import InputError, RunFailed
 from ..jsondoc import read_document
 from ..topology import Topology, load_topology
 from ..units import UnitError, parse_duration
 
-__all__ = ["Knob", "parse_sweep", "grid", "apply_point", "WhatIfResult", "run_sweep", "write_outputs", "write_plots",
+__all__ = ["Knob", "parse_sweep", "grid", "apply_point", "WhatIfResult", "prepare_points", "run_sweep", "write_outputs", "write_plots",
            "load_outputs", "FORMAT"]
 
 FORMAT = "neuronabox-whatif/1"
@@ -122,42 +122,52 @@ class WhatIfResult:
     runs: list[float] = field(default_factory=list)
 
 
+def prepare_points(
+    base: Topology, knobs: Sequence[Knob], profile: Path | None = None
+) -> list[tuple[dict[str, str], Topology]]:
+    """Every grid point with its topology, each checked (its model built) before anything runs.
+
+    ``profile`` (``--profile``) applies to every point, those of a ``topology`` knob too; a
+    ``model`` knob still picks its model for its points (the profile serves the calibrated ones).
+    A point the topology cannot take fails here, its error led by the point (``--sweep world_size=3: ...``).
+    """
+    from ..model.calibrated import with_profile
+    from ..model.registry import create_model
+
+    prepared = []
+    for p in grid(knobs):
+        try:
+            topo, model = apply_point(base, p)
+            if profile is not None and "topology" in p:
+                topo = with_profile(topo, profile)
+            if model:
+                topo = topo.with_changes(emulation={"model": model})
+            create_model(topo)
+        except InputError as exc:
+            raise InputError(f"--sweep {', '.join(f'{k}={v}' for k, v in p.items())}: {exc}") from None
+        prepared.append((p, topo))
+    return prepared
+
+
 def run_sweep(
-    base: Topology,
-    knobs: Sequence[Knob],
+    prepared: Sequence[tuple[dict[str, str], Topology]],
     command: Sequence[str],
     repeats: int = 1,
     warmup: int | None = None,
     progress: Callable[[int, int, dict[str, str], WhatIfResult | None], None] | None = None,
-    profile: Path | None = None,
 ) -> list[WhatIfResult]:
-    """Run the command at every grid point (repeats interleaved across the grid, so drift hits all points alike).
-
-    ``profile`` (``--profile``) applies to every point, those of a ``topology`` knob too; a
-    ``model`` knob still picks its model for its points (the profile serves the calibrated ones).
-    """
+    """Run the command at every prepared point (repeats interleaved across the grid, so drift hits all points alike)."""
     from ..emu.runner import run_command
-    from ..model.calibrated import with_profile
-    from ..model.registry import create_model
     from ..report.run_summary import summarize
 
-    points = grid(knobs)
-    prepared = []
-    for p in points:
-        topo, model = apply_point(base, p)
-        if profile is not None and "topology" in p:
-            topo = with_profile(topo, profile)
-        if model:
-            topo = topo.with_changes(emulation={"model": model})
-        create_model(topo)  # fail before running anything
-        prepared.append(topo)
+    points = [p for p, _ in prepared]
     reports: list[list[dict]] = [[] for _ in points]
     total, done = len(points) * repeats, 0
     for _ in range(repeats):
-        for i, (p, topo) in enumerate(zip(points, prepared)):
+        for i, (p, topo) in enumerate(prepared):
             res = run_command(topo, command, topo.emulation.real_ranks[0])
             if res.returncode != 0 or res.record is None:
-                raise InputError(f"whatif point {p}: the command failed (exit {res.returncode})")
+                raise RunFailed(f"whatif point {p}: the command failed (exit {res.returncode})")
             reports[i].append(summarize(res.record, warmup))
             done += 1
             if progress:
