@@ -82,8 +82,32 @@ def test_show_summary_route_png_and_dot(tmp_path):
     assert "route rank 0 -> rank 9" in r.stdout and "rail1" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert dot.read_text().startswith('graph "dgx-h100-32"')
-    bad = run_nbox("show", str(TOPOLOGIES / "dgx-h100-32.yaml"), "--route", "0:999")
+    bad = run_nbox("show", str(TOPOLOGIES / "dgx-h100-32.yaml"), "--route", "0:9", "--route", "0:999")
     assert bad.returncode == 2 and "--route" in bad.stderr
+    assert bad.stdout == "", "a bad --route is refused before the summary is printed"
+
+
+@pytest.mark.parametrize("site", [False, True], ids=["no packages", "base Python's packages"])
+def test_run_with_a_python_that_cannot_load_nbox_says_so_in_one_line(tmp_path, site):
+    # The command's Python is not the one nbox is installed in: one without neuronabox's
+    # dependencies, or (the base interpreter's packages) one that has them but not torch. site.py
+    # would print "Error in sitecustomize" and a traceback hint; nbox says what to do.
+    import subprocess
+    import sys
+
+    venv = tmp_path / "other"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", *(["--system-site-packages"] if site else []),
+                    str(venv)], check=True)
+    py = venv / "bin" / "python"
+    if site:
+        probe = subprocess.run([str(py), "-c", "import yaml, pydantic\ntry:\n import torch\nexcept ImportError:\n pass\n"
+                                "else:\n raise SystemExit(1)"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip("the base Python lacks neuronabox's dependencies or has torch")
+    r = run_nbox("run", str(TOPOLOGIES / "cpu-8x1g.yaml"), "--", str(py), "-c", "print('ran')")
+    assert "ran" in r.stdout
+    assert "Error in sitecustomize" not in r.stderr, r.stderr
+    assert f"nbox: this Python ({py}) cannot load {'torch' if site else 'neuronabox'}" in r.stderr, r.stderr
 
 
 def test_show_small_topology_draws_every_vertex(tmp_path):

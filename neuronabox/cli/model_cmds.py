@@ -39,14 +39,17 @@ def show(
     from ..topology.graph import ClusterGraph
 
     topo = load(topology, world_size=world_size)
-    graph = ClusterGraph(topo)
-    for table in summary_tables(topo, graph):
-        console.print(table)
-    for spec in route:
+    pairs = []
+    for spec in route:  # all checked before anything is printed
         src, sep, dst = spec.partition(":")
         if not (sep and src.isdigit() and dst.isdigit()) or max(int(src), int(dst)) >= topo.world_size:
             raise InputError(f"--route: expected SRC:DST ranks within 0-{topo.world_size - 1}, got {spec!r}")
-        console.print(route_table(graph, int(src), int(dst)))
+        pairs.append((int(src), int(dst)))
+    graph = ClusterGraph(topo)
+    for table in summary_tables(topo, graph):
+        console.print(table)
+    for src, dst in pairs:
+        console.print(route_table(graph, src, dst))
     if dot:
         write_dot(graph, dot)
         console.print(f"wrote {dot}")

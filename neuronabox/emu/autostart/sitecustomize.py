@@ -37,5 +37,9 @@ if os.environ.get("NBOX_TOPOLOGY"):
             sys.stderr.write(f"{exc}\n")
             sys.stderr.flush()
             os._exit(1)  # SystemExit here is a "Fatal Python error" of site.py
-        autostart()
+        try:
+            autostart()
+        except ImportError as exc:  # neuronabox on the path of a Python without torch
+            sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load torch ({exc}); nothing is emulated "
+                             "in it: run the command with the Python that has nbox and torch\n")
 _chain_shadowed_sitecustomize()
