@@ -113,6 +113,8 @@ def test_failing_command_exits_1_and_bad_input_exits_2(files, tmp_path):
     bad.write_text("import torch.distributed as dist\ndist.init_process_group()\nraise SystemExit(3)\n")
     r = run_nbox("run", str(topo), "--", PY, str(bad))
     assert r.returncode == 1 and "exited with status 3" in r.stderr
+    r = run_nbox("run", str(topo), "--", PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+    assert r.returncode == 1 and "nbox: error: the command was killed by SIGTERM" in r.stderr, r.stderr
     r = run_nbox("run", str(topo), "--", "no-such-command-xyz")
     assert r.returncode == 2 and "command not found" in r.stderr
     r = run_nbox("run", str(topo), "--rank", "99", "--", PY, "-c", "pass")

@@ -117,4 +117,4 @@ def test_whatif_bad_usage_exits_2(tmp_path):
     assert "not a multiple of 4 ranks per node" in r.stderr
     # A command that fails is a failed run (exit 1), not bad input.
     r = run_nbox("whatif", str(four), "--sweep", "inject.all_reduce=0ms", "--", "false")
-    assert r.returncode == 1 and "the command failed (exit 1)" in r.stderr, r.stderr
+    assert r.returncode == 1 and "the command exited with status 1" in r.stderr, r.stderr

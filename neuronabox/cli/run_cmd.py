@@ -53,7 +53,7 @@ def run(
     max_restarts: int = typer.Option(0, "--max-restarts", help="Restarts of the worker group after a failure."),
 ) -> None:
     """Run a training command as the real rank of TOPOLOGY; the rest of the cluster is emulated."""
-    from ..emu.runner import run_command
+    from ..emu.runner import describe_exit, run_command
     from ..model.registry import create_model
     from ..report.run_summary import summarize, summary_tables
     from ..report.trace import write_trace
@@ -112,6 +112,6 @@ def run(
     if result.returncode != 0:
         why = list(result.failures.values()) + ([result.error] if result.error else [])
         if not launch.elastic() or not why:
-            why = [f"the command exited with status {result.returncode}"]
+            why = [f"the command {describe_exit(result.returncode)}"]
         print(f"nbox: error: {'; '.join(why)}", file=sys.stderr)
         raise typer.Exit(1)

@@ -298,12 +298,14 @@ def run_elastic(plan: LaunchPlan, command: Sequence[str], env: Mapping[str, str]
         elastic_launch(config, command[0])(*command[1:])
         rc = 0
     except ChildFailedError as exc:
+        from .runner import describe_exit
+
         rc = 1
         ordered = sorted(exc.failures.items(), key=lambda kv: kv[1].timestamp)
         for n, (index, f) in enumerate(ordered):
             world = plan.real_ranks[index] if 0 <= index < len(plan.real_ranks) else index
             first = " (first failure)" if n == 0 and len(ordered) > 1 else ""
-            failures[world] = f"real rank {world} (launch rank {index}) {_describe_exit(f.exitcode)}{first}"
+            failures[world] = f"real rank {world} (launch rank {index}) {describe_exit(f.exitcode)}{first}"
     except SignalException as exc:  # Ctrl-C or a TERM to nbox run: torch's agent has stopped the workers
         rc, error = 1, f"nbox run got {signal.Signals(exc.sigval).name}: the workers were stopped"
     except RendezvousError as exc:
@@ -320,15 +322,6 @@ def run_elastic(plan: LaunchPlan, command: Sequence[str], env: Mapping[str, str]
         except (OSError, ValueError):
             continue
     return ElasticResult(rc, records, failures, plan.real_ranks, error)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 # ---- the child side -------------------------------------------------------------------------------

@@ -78,6 +78,16 @@ def _require_command(command: Sequence[str]) -> None:
         raise InputError("nbox run: no command to run (usage: nbox run TOPOLOGY [OPTIONS] -- python train.py ARGS)")
 
 
+def describe_exit(code: int) -> str:
+    """A process's end as a clause: ``exited with status 3``, ``was killed by SIGTERM``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
 def run_command(
     topology: Topology,
     command: Sequence[str],
@@ -107,7 +117,7 @@ def run_command(
             raise InputError(f"nbox run: command not executable: {command[0]!r}") from None
         rc = _wait(child)
         record = json.loads(record_file.read_text(encoding="utf-8")) if record_file.exists() else None
-    failures = {real_rank: f"real rank {real_rank} exited with status {rc}"} if rc else {}
+    failures = {real_rank: f"real rank {real_rank} {describe_exit(rc)}"} if rc else {}
     return RunResult(rc, record, {real_rank: record} if record is not None else {}, failures)
 
 

@@ -157,7 +157,7 @@ def run_sweep(
     progress: Callable[[int, int, dict[str, str], WhatIfResult | None], None] | None = None,
 ) -> list[WhatIfResult]:
     """Run the command at every prepared point (repeats interleaved across the grid, so drift hits all points alike)."""
-    from ..emu.runner import run_command
+    from ..emu.runner import describe_exit, run_command
     from ..report.run_summary import summarize
 
     points = [p for p, _ in prepared]
@@ -167,7 +167,7 @@ def run_sweep(
         for i, (p, topo) in enumerate(prepared):
             res = run_command(topo, command, topo.emulation.real_ranks[0])
             if res.returncode != 0 or res.record is None:
-                raise RunFailed(f"whatif point {p}: the command failed (exit {res.returncode})")
+                raise RunFailed(f"whatif point {p}: the command {describe_exit(res.returncode)}")
             reports[i].append(summarize(res.record, warmup))
             done += 1
             if progress:
