@@ -29,8 +29,8 @@ from ..jsondoc import read_document
 from ..topology import Topology, load_topology
 from ..units import UnitError, parse_duration
 
-__all__ = ["Knob", "parse_sweep", "grid", "apply_point", "WhatIfResult", "prepare_points", "run_sweep", "write_outputs", "write_plots",
-           "load_outputs", "FORMAT"]
+__all__ = ["Knob", "parse_sweep", "grid", "apply_point", "WhatIfResult", "prepare_points", "run_sweep",
+           "write_outputs", "write_plots", "load_outputs", "FORMAT"]
 
 FORMAT = "neuronabox-whatif/1"
 

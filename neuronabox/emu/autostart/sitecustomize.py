@@ -39,7 +39,7 @@ if os.environ.get("NBOX_TOPOLOGY"):
             os._exit(1)  # SystemExit here is a "Fatal Python error" of site.py
         try:
             autostart()
-        except ImportError as exc:  # neuronabox on the path of a Python without torch
-            sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load torch ({exc}); nothing is emulated "
-                             "in it: run the command with the Python that has nbox and torch\n")
+        except ImportError as exc:  # neuronabox on the path of a Python without torch (or another dependency)
+            sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load {exc.name or 'a dependency'} ({exc}); "
+                             "nothing is emulated in it: run the command with the Python that has nbox and torch\n")
 _chain_shadowed_sitecustomize()
