@@ -56,4 +56,4 @@ gpu-kit:
 	du -sh .gpu-kit
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info .gpu-kit
