@@ -698,6 +698,8 @@ def test_cli_verbs(tmp_path):
         assert json.loads(r.output)[0]["healthy"] is True
         r = runner.invoke(app, ["shape", "node0:0--switch", "--rate", "50Mbps", "--delay", "2ms", "--name", "cli"])
         assert r.exit_code == 0 and "50Mbps" in r.output, r.output
+        r = runner.invoke(app, ["shape", "nosuch", "--delay", "2ms", "--name", "cli"])
+        assert "no link named 'nosuch' (nbox status --links lists them)" in str(r.exception), r.exception
         r = runner.invoke(app, ["exec", "--name", "cli", "node1", "--", sys.executable, "-c", "import sys; sys.exit(3)"])
         assert r.exit_code == 3
         r = runner.invoke(app, ["doctor", "--json"])

@@ -175,6 +175,8 @@ def shape_cmd(
             view = json.load(resp)
     except urllib.error.HTTPError as exc:
         detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
+        if exc.code == 404:  # the agent speaks to HTTP clients; here the CLI's listing helps
+            detail = detail.replace("(GET /links lists them)", "(nbox status --links lists them)")
         raise InputError(f"shape {link}: {detail}") from None
     except urllib.error.URLError as exc:
         raise InputError(f"shape: the shaping agent at {url} does not answer ({exc.reason})") from None
