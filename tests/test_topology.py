@@ -18,7 +18,7 @@ BASE_NET = "network: {type: switch, link: {bandwidth: 10Gbps, latency: 5us}}\n"
 
 def test_examples_exist():
     names = {p.stem for p in EXAMPLES}
-    assert {"paper-2x1-100g", "dgx-h100-32", "cpu-8x1g", "hetero-a100-h100"} <= names
+    assert {"paper-2x1-100g", "dgx-h100-32", "cpu-8x1g", "cpu-2x1g", "hetero-a100-h100"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
