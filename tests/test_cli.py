@@ -127,3 +127,18 @@ def test_models_lists_builtins():
 def test_usage_error_exits_2():
     r = run_nbox("bench")
     assert r.returncode == 2
+
+
+def test_piped_output_uses_120_columns_not_80():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    r = subprocess.run([sys.executable, "-m", "neuronabox.cli", "show", str(TOPOLOGIES / "cpu-64-demo.yaml")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    widths = [len(line) for line in r.stdout.splitlines()]
+    assert 80 < max(widths) <= 120, max(widths)
+    assert any("node0, node1, node2" in line for line in r.stdout.splitlines()), "the node list is not folded"
+

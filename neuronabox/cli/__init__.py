@@ -7,6 +7,7 @@ own module and registers itself on ``app``.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +23,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
+# Piped into a file or a CI log, rich assumes 80 columns and folds the wider tables (validate's
+# verdicts, show's node lists) into narrow columns; a terminal or COLUMNS still decides.
+PIPED_WIDTH = 120
+console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPED_WIDTH)
 _state = {"debug": False}
 
 
