@@ -117,6 +117,19 @@ def test_failing_command_exits_1_and_bad_input_exits_2(files, tmp_path):
     assert r.returncode == 1 and "nbox: error: the command was killed by SIGTERM" in r.stderr, r.stderr
     r = run_nbox("run", str(topo), "--", "no-such-command-xyz")
     assert r.returncode == 2 and "command not found" in r.stderr
+    # --metrics-addr the exporter could not serve: refused before the run (the child would only warn).
+    r = run_nbox("run", str(topo), "--metrics-addr", "no-such-host.invalid:9464", "--", PY, "-c", "pass")
+    assert r.returncode == 2 and "does not resolve" in r.stderr, r.stderr
+    r = run_nbox("run", str(topo), "--metrics-addr", "127.0.0.1:70000", "--", PY, "-c", "pass")
+    assert r.returncode == 2 and "the port must be 0-65535" in r.stderr, r.stderr
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run_nbox("run", str(topo), "--metrics-addr", f"127.0.0.1:{port}", "--", PY, "-c", "pass")
+    assert r.returncode == 2 and f"cannot serve on 127.0.0.1:{port}" in r.stderr, r.stderr
     r = run_nbox("run", str(topo), "--rank", "99", "--", PY, "-c", "pass")
     assert r.returncode == 2 and "--rank" in r.stderr
     r = run_nbox("run", str(topo), "--model", "nope", "--", PY, "-c", "pass")

@@ -75,6 +75,8 @@ def run(
         raise InputError("--mode wire needs --cluster NAME (a cluster brought up with `nbox up`)")
     from ..metrics.progress import RunProgress
 
+    if metrics_addr:
+        _check_metrics_addr(metrics_addr, nproc_per_node, in_cluster=cluster is not None)
     extra_env = {"NBOX_METRICS_ADDR": metrics_addr} if metrics_addr else {}
     from ..emu.elastic import LaunchOptions
 
@@ -115,3 +117,34 @@ def run(
             why = [f"the command {describe_exit(result.returncode)}"]
         print(f"nbox: error: {'; '.join(why)}", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def _check_metrics_addr(text: str, ranks: int, in_cluster: bool) -> None:
+    """Refuse a --metrics-addr the exporter could not serve, before the run (it would only warn, in the child).
+
+    The host must resolve; outside a cluster (whose nodes have their own addresses) each real
+    rank's port (the given one, plus its local rank) must be free here.
+    """
+    import socket
+
+    from ..metrics.exporter import parse_addr
+
+    try:
+        host, port = parse_addr(text)
+    except ValueError as exc:
+        raise InputError(f"--metrics-addr: {exc}") from None
+    try:
+        infos = socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise InputError(f"--metrics-addr {text!r}: host {host!r} does not resolve ({exc.strerror})") from None
+    if in_cluster or port == 0:
+        return
+    family, _, _, _, sockaddr = infos[0]
+    for p in range(port, port + max(1, ranks)):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the exporter's server does
+            try:
+                s.bind((sockaddr[0], p))
+            except OSError as exc:
+                raise InputError(f"--metrics-addr {text!r}: cannot serve on {sockaddr[0]}:{p} ({exc.strerror})") from None
+
