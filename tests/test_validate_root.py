@@ -105,3 +105,16 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
     else:
         assert v["model"] != "calibrated"
     assert leftovers(tmp_path / "state") == before
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, qdiscs, iptables)")
+def test_validate_says_when_the_real_ranks_share_cores_and_a_failed_real_system_exits_1(files, tmp_path):
+    topo, _ = files
+    cores = len(os.sched_getaffinity(0))
+    many = tmp_path / "many.yaml"
+    many.write_text(TOPO.replace("{nodes: 2}", f"{{nodes: {cores + 1}}}"))
+    r = run_nbox("validate", str(many), "--repeats", "1", "--modes", "model", "--", "/bin/false")
+    assert r.returncode == 1 and "the real system failed" in r.stderr, r.stderr
+    assert f"note: {cores + 1} real ranks on {cores} cores here" in r.stdout.replace("\n", " "), r.stdout
+    assert leftovers(tmp_path / "state") == {"namespaces": [], "processes": [], "state": []}

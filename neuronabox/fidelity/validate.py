@@ -535,6 +535,11 @@ def run_validation(
     topo = load_topology(topology_file)
     if topo.emulation.library != "gloo":
         say(f"note: {topology_file} says library {topo.emulation.library}; the real system here runs gloo")
+    cores = len(set(rank_cores(topo.world_size)))
+    if topo.world_size > cores:
+        # Round robin then: the reference shares cores where a real cluster gives each rank its own.
+        say(f"note: {topo.world_size} real ranks on {cores} cores here: the real system's ranks share cores "
+            f"(round robin), so it is slower than a cluster of {topo.world_size} machines")
     # A bad model or profile fails here, before any cluster exists; the emulated runs get the
     # same flags (``nbox run --profile``), so they resolve the profile the same way.
     if calibrate_ops:
