@@ -230,6 +230,29 @@ print("OK")
 
 
 @ROOT_ONLY
+def test_a_cluster_of_another_topology_is_refused_before_any_stub_starts(tmp_path):
+    name = "wother"
+    before = leftovers(name)
+    small = topology_yaml(tmp_path, name, 2, "1Gbps", "100us")
+    big = topology_yaml(tmp_path, "wbig", 4, "1Gbps", "100us")
+    rt.up(small, runtime="netns", name=name)
+
+    def stubs() -> list:
+        return sorted(p["pid"] for p in ClusterState.load(name)["processes"] if p.get("role") == "stub")
+
+    try:
+        started = stubs()  # the cluster's own
+        r = run_nbox("run", "-q", "--cluster", name, "--mode", "wire", big, "--", sys.executable, "-c", "pass")
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith(f"nbox: error: --cluster {name}: cluster '{name}' has no node 'node3'"), r.stderr
+        assert f"nbox up {big}" in r.stderr and "Traceback" not in r.stderr
+        assert stubs() == started
+    finally:
+        rt.down(name)
+    assert leftovers(name) == before
+
+
+@ROOT_ONLY
 def test_stubs_outlive_a_killed_real_rank_and_down_still_leaves_nothing(tmp_path):
     name = "wkill"
     before = leftovers(name)

@@ -191,12 +191,23 @@ def _cluster_hook(env: dict[str, str], topology: Topology, real_rank: int, clust
     if st["phase"] != "up" or not st["healthy"]:
         raise InputError(f"--cluster {cluster}: the cluster is not up and healthy (phase {st['phase']!r}); "
                          "run `nbox up` first")
+    def info(name: str) -> dict:
+        # A cluster brought up from another topology lacks nodes this one runs on or talks to.
+        try:
+            return node_info(cluster, name)
+        except InputError as exc:
+            raise InputError(f"--cluster {cluster}: {exc}; {topology.source} needs it (`nbox up "
+                             f"{topology.source}` brings up a cluster of that topology)") from None
+
     node = topology.node_of(real_rank).name
-    h = node_info(cluster, node)
+    h = info(node)
     env.update({"NBOX_CLUSTER": cluster, "NBOX_NODE": node, "NBOX_NODE_ADDR": h["address"]})
     if mode == "wire":
         env["NBOX_WIRE"] = "1"
-        for nb in neighbour_nodes(topology, [real_rank]):
+        neighbours = neighbour_nodes(topology, [real_rank])
+        for nb in neighbours:  # all checked before any stub starts
+            info(nb)
+        for nb in neighbours:
             ensure_stub(cluster, nb)
     return Namespace(h["ns"]).preexec() if h.get("ns") else None
 
