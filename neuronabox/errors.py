@@ -15,8 +15,8 @@ class InputError(NboxError):
     exit_code = 2
 
 
-class RunFailed(NboxError):
-    """A run that did not finish (the training command, the real system, the calibration ranks): not the input."""
+class RunFailed(NboxError, RuntimeError):
+    """A run that did not finish (the training command, the real system, a cluster's agent or stub): not the input."""
 
     exit_code = 1
 

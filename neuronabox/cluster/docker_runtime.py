@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import InputError
+from ..errors import InputError, RunFailed
 from .state import ClusterState, default_name, valid_name
 from .steering import steer_flows, steering
 
@@ -197,7 +197,7 @@ def _compose(cli: list[str], st: ClusterState, args: list[str], say, check: bool
     r = subprocess.run(cmd, capture_output=True, text=True)
     if check and r.returncode != 0:
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"docker compose {args[0]} failed ({r.returncode}): {tail}")
+        raise RunFailed(f"docker compose {args[0]} failed ({r.returncode}): {tail}")
     return r
 
 

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, RunFailed
 from .netns import DEFAULT_SUBNET, Namespace, build_network, ns_pids, plan_network, remove_namespaces, wait_links_up
 from .relay import DEFAULT_PORT
 from .shaping import (
@@ -339,9 +339,9 @@ def _start_agent(st: ClusterState, timeout: float = 10.0) -> None:
             return
         if proc.poll() is not None:
             tail = (st.dir / "agent.log").read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise RuntimeError(f"the shaping agent exited with {proc.returncode}: {tail[0]}")
+            raise RunFailed(f"the shaping agent exited with {proc.returncode}: {tail[0]}")
         time.sleep(0.01)
-    raise RuntimeError(f"the shaping agent did not answer within {timeout:.0f} s (see {st.dir / 'agent.log'})")
+    raise RunFailed(f"the shaping agent did not answer within {timeout:.0f} s (see {st.dir / 'agent.log'})")
 
 
 def _agent_info(st: ClusterState) -> dict | None:

@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 
 from ..emu.wire import FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, STUB_PORT, recv_exact, recv_msg, send_msg
+from ..errors import InputError, RunFailed
 from .state import ClusterState
 
 __all__ = ["neighbour_nodes", "start_stubs", "ensure_stub", "stub_files", "main"]
@@ -127,9 +128,9 @@ def start_stubs(st: ClusterState, nodes: list[str], timeout: float = 10.0) -> di
             if proc.poll() is not None:
                 lines = (st.dir / f"stub-{node}.log").read_text(errors="replace").strip().splitlines()
                 tail = lines[-1:] or ["(no output)"]
-                raise RuntimeError(f"the stub of {node} exited with {proc.returncode}: {tail[0]}")
+                raise RunFailed(f"the stub of {node} exited with {proc.returncode}: {tail[0]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the stub of {node} did not start within {timeout:.0f} s")
+                raise RunFailed(f"the stub of {node} did not start within {timeout:.0f} s")
             time.sleep(0.01)
     return out
 
@@ -141,7 +142,7 @@ def ensure_stub(cluster: str, node: str) -> dict:
     st = ClusterState(cluster)
     with st.locked():
         if not st.path.exists():
-            raise RuntimeError(f"nbox wire: no cluster named {cluster!r}")
+            raise InputError(f"nbox wire: no cluster named {cluster!r}")
         info = _info(st, node)
         if info:
             rec = next((p for p in st["processes"]
