@@ -47,8 +47,8 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
 
     server_version = "nbox-agent"
 
-    def log_message(self, fmt, *args):  # keep the log for errors only
-        pass
+    def log_message(self, fmt, *args):
+        """Nothing: the agent's log keeps errors only, not a line per request."""
 
     def _send(self, code: int, body, ctype: str = "application/json") -> None:
         data = body if isinstance(body, bytes) else (json.dumps(body, indent=1) + "\n").encode()

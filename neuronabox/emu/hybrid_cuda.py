@@ -122,6 +122,7 @@ class NcclRules:
         return NboxWork(rec, result, g.ctx.emu, event, device)
 
     def allreduce(self, pg, tensors, op):
+        """On the device stream: each real member folds in its mirrored copies, then NCCL all-reduces the real ones."""
         g = self.g
         c, base = g.counts[g.me], _base_op(op)
 
@@ -136,6 +137,7 @@ class NcclRules:
         return self._run(pg, Op.ALL_REDUCE, _nbytes(tensors), 0, tensors, data, None, tensors)
 
     def broadcast(self, pg, tensors, root: int):
+        """From the root, or from the real member an emulated root mirrors."""
         rr = self.g.mirror[root]
 
         def data():
@@ -153,6 +155,7 @@ class NcclRules:
         return bufs, data
 
     def all_gather_single(self, pg, outputs, inputs):
+        """The real members' inputs gathered; each member's row is its mirror's."""
         g = self.g
         bufs, data = self._gather_rows(inputs)
 
@@ -165,6 +168,7 @@ class NcclRules:
         return self._run(pg, Op.ALL_GATHER, _nbytes(outputs), 0, tensors, data, post, list(outputs))
 
     def allgather(self, pg, output_lists, inputs, coalesced: bool):
+        """List form of ``all_gather_single``."""
         g = self.g
         bufs, data = self._gather_rows(inputs)
 
@@ -178,6 +182,7 @@ class NcclRules:
         return self._run(pg, Op.ALL_GATHER, _nbytes(outs), 0, outs + list(inputs), data, post, output_lists)
 
     def reduce_scatter_single(self, pg, outputs, inputs, op):
+        """The real members' chunks reduced; each keeps its own."""
         g = self.g
         c, base = g.counts[g.me], _base_op(op)
         members = torch.tensor(g.members, dtype=torch.long, device=inputs[0].device)
@@ -201,6 +206,7 @@ class NcclRules:
                          list(outputs))
 
     def barrier(self, pg):
+        """No data: the timeline alone."""
         return self._run(pg, Op.BARRIER, 0, 0, [], lambda: [], None, [])
 
     def __getattr__(self, name):

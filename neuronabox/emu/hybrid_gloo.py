@@ -81,6 +81,7 @@ class GlooRules:
         self.g = g
 
     def allreduce(self, pg, tensors, op) -> HybridWork:
+        """Each real member folds in its mirrored copies, then the real members all-reduce among themselves."""
         g = self.g
         h = g.start(pg.timeline, Op.ALL_REDUCE, _nbytes(tensors), 0, tensors)
         c, base = g.counts[g.me], _base_op(op)
@@ -96,6 +97,7 @@ class GlooRules:
         return g.finish(h, works, _copy_back(fixups, g.n))
 
     def broadcast(self, pg, tensors, root: int) -> HybridWork:
+        """From the root, or from the real member an emulated root mirrors."""
         g = self.g
         h, agreed = g.rooted(pg.timeline, Op.BROADCAST, _nbytes(tensors), root, tensors)
         if agreed is None:
@@ -110,6 +112,7 @@ class GlooRules:
         return g.finish(h, works, (lambda: [t.copy_(b) for t, b in fixups]) if fixups else None)
 
     def reduce(self, pg, tensors, op, root: int) -> HybridWork:
+        """Like all-reduce, into the root's buffer only (an emulated root's mirror reduces a scratch copy)."""
         g = self.g
         h, agreed = g.rooted(pg.timeline, Op.REDUCE, _nbytes(tensors), root, tensors)
         if agreed is None:
@@ -151,6 +154,7 @@ class GlooRules:
         return g.finish(h, works, post)
 
     def all_gather_single(self, pg, outputs, inputs) -> HybridWork:
+        """The real members' inputs gathered; each member's row is its mirror's."""
         g = self.g
         h = g.start(pg.timeline, Op.ALL_GATHER, _nbytes(outputs), 0, list(outputs))
         bufs, works = [], []
@@ -192,6 +196,7 @@ class GlooRules:
         return g.finish(h, works, post)
 
     def reduce_scatter(self, pg, output_tensors, input_lists, op) -> HybridWork:
+        """List form: the real members' chunks reduced; each keeps its own."""
         g = self.g
         ins_flat = [x for xs in input_lists for x in xs]
         with torch.no_grad():
@@ -200,12 +205,14 @@ class GlooRules:
         return self._reduce_scatter(pg, list(output_tensors), stacks, _nbytes(ins_flat), op)
 
     def reduce_scatter_single(self, pg, outputs, inputs, op) -> HybridWork:
+        """Tensor form: the real members' chunks reduced; each keeps its own."""
         g = self.g
         with torch.no_grad():
             stacks = [x.reshape(g.n, -1).index_select(0, _members_index(g, x.device)) for x in inputs]
         return self._reduce_scatter(pg, list(outputs), stacks, _nbytes(inputs), op)
 
     def alltoall(self, pg, output_tensors, input_tensors) -> HybridWork:
+        """List form: real members exchange their chunks; an emulated member's chunk comes from its mirror."""
         g = self.g
         h = g.start(pg.timeline, Op.ALL_TO_ALL, _nbytes(input_tensors), 0, list(output_tensors))
         send = torch.cat([input_tensors[j].reshape(-1) for j in g.members])
@@ -222,6 +229,7 @@ class GlooRules:
         return g.finish(h, works, post)
 
     def all_to_all_single(self, pg, output, input, output_split_sizes, input_split_sizes) -> HybridWork:  # noqa: A002
+        """Tensor form with split sizes: as ``alltoall``."""
         g = self.g
         n = g.n
         h = g.start(pg.timeline, Op.ALL_TO_ALL, _nbytes([input]), 0, [output])
@@ -243,6 +251,7 @@ class GlooRules:
         return g.finish(h, works, post)
 
     def gather(self, pg, output_tensors, input_tensors, root: int) -> HybridWork:
+        """To the root (or its mirror, which keeps nothing): each member's slot holds its mirror's input."""
         g = self.g
         h, agreed = g.rooted(pg.timeline, Op.GATHER, g.n * _nbytes(input_tensors), root, output_tensors)
         me_group = g.members[g.me]
@@ -274,6 +283,7 @@ class GlooRules:
         return g.finish(h, works, post)
 
     def scatter(self, pg, output_tensors, input_tensors, root: int) -> HybridWork:
+        """From a real root's list to the real members; an emulated root's list is held by nobody."""
         g = self.g
         h, agreed = g.rooted(pg.timeline, Op.SCATTER, g.n * _nbytes(output_tensors), root, list(output_tensors))
         me_group = g.members[g.me]
@@ -296,6 +306,7 @@ class GlooRules:
         return g.finish(h, works, (lambda: [y.copy_(b) for y, b in fixups]) if fixups else None)
 
     def barrier(self, pg) -> HybridWork:
+        """No data: the timeline alone (every real member completes at the modeled end)."""
         g = self.g
         return g.finish(g.start(pg.timeline, Op.BARRIER, 0, 0, []), [])
 
