@@ -102,10 +102,11 @@ def status_cmd(name: Optional[str] = NAME, as_json: bool = typer.Option(False, "
         console.print("no cluster is up")
         return
     t = Table(title="clusters", title_justify="left")
-    for col in ("name", "runtime", "phase", "nodes", "links", "namespaces", "agent", "healthy"):
+    cols = ("name", "runtime", "phase", "nodes", "links", "namespaces", "agent", "healthy")
+    for col in cols:
         t.add_column(col)
     for r in rows:
-        t.add_row(*(str(r[c]) for c in ("name", "runtime", "phase", "nodes", "links", "namespaces", "agent", "healthy")))
+        t.add_row(*("-" if r[c] is None else str(r[c]) for c in cols))  # a local cluster has no agent
     console.print(t)
     if links:
         for r in rows:
