@@ -147,4 +147,3 @@ def _check_metrics_addr(text: str, ranks: int, in_cluster: bool) -> None:
                 s.bind((sockaddr[0], p))
             except OSError as exc:
                 raise InputError(f"--metrics-addr {text!r}: cannot serve on {sockaddr[0]}:{p} ({exc.strerror})") from None
-

@@ -191,6 +191,7 @@ def _cluster_hook(env: dict[str, str], topology: Topology, real_rank: int, clust
     if st["phase"] != "up" or not st["healthy"]:
         raise InputError(f"--cluster {cluster}: the cluster is not up and healthy (phase {st['phase']!r}); "
                          "run `nbox up` first")
+
     def info(name: str) -> dict:
         # A cluster brought up from another topology lacks nodes this one runs on or talks to.
         try:
