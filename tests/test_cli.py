@@ -141,4 +141,3 @@ def test_piped_output_uses_120_columns_not_80():
     widths = [len(line) for line in r.stdout.splitlines()]
     assert 80 < max(widths) <= 120, max(widths)
     assert any("node0, node1, node2" in line for line in r.stdout.splitlines()), "the node list is not folded"
-

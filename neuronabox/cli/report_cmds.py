@@ -55,7 +55,7 @@ def report_cmd(
 
     data = _read_json(run_json)
     if isinstance(data, dict) and data.get("format") == whatif.FORMAT:
-        _sweep_report(run_json, png, no_png)
+        _sweep_report(run_json, data, png, no_png)
         return
     rep = load_report(run_json, data)
     n = len(rep["iterations"])
@@ -77,13 +77,13 @@ def report_cmd(
     console.print(f"wrote {out}")
 
 
-def _sweep_report(path: Path, png: Optional[Path], no_png: bool) -> None:
+def _sweep_report(path: Path, doc: dict, png: Optional[Path], no_png: bool) -> None:
     """A what-if sweep's table, and its plots drawn again beside its whatif.json (a sweep draws one PNG per knob)."""
     from ..fidelity.whatif import load_outputs, write_plots
 
     if png is not None:
         raise InputError(f"--png: {path} is a what-if sweep, whose plots (one per knob) go beside it")
-    results, knobs, context = load_outputs(path)
+    results, knobs, context = load_outputs(path, doc)
     table = path.with_name("whatif.md")
     if table.is_file():
         console.print(table.read_text(encoding="utf-8"))

@@ -603,7 +603,7 @@ def run_validation(
                         tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
                         where = f" (logs in {log.parent})" if keep_logs else ""
                         raise RunFailed(f"the real system failed (rank exit codes {codes}); rank {bad}: "
-                                         f"{(tail or ['(no output)'])[0]}{where}")
+                                        f"{(tail or ['(no output)'])[0]}{where}")
                     its = json.loads(rec.read_text())["iterations"] if rec.exists() else []
                     real.runs.append(_measured(its, warmup, iterations, "real system"))
                     real_walls.append(time.perf_counter() - t0)

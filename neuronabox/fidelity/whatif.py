@@ -238,9 +238,10 @@ def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: P
     return written
 
 
-def load_outputs(path: Path) -> tuple[list[WhatIfResult], list[Knob], str]:
-    """The results, knobs and context of an earlier sweep from its ``whatif.json`` (to draw its plots again)."""
-    doc = read_document(path, str(path), FORMAT, "nbox whatif writes whatif.json in its --out folder")
+def load_outputs(path: Path, doc: dict | None = None) -> tuple[list[WhatIfResult], list[Knob], str]:
+    """The results, knobs and context of an earlier sweep from its ``whatif.json`` (``doc``: its JSON, already read)."""
+    if doc is None:
+        doc = read_document(path, str(path), FORMAT, "nbox whatif writes whatif.json in its --out folder")
     try:
         knobs = [Knob(k["name"], tuple(k["values"])) for k in doc["knobs"]]
         results = [WhatIfResult(**r) for r in doc["results"]]
