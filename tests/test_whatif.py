@@ -118,3 +118,5 @@ def test_whatif_bad_usage_exits_2(tmp_path):
     # A command that fails is a failed run (exit 1), not bad input.
     r = run_nbox("whatif", str(four), "--sweep", "inject.all_reduce=0ms", "--", "false")
     assert r.returncode == 1 and "the command exited with status 1" in r.stderr, r.stderr
+    r = run_nbox("whatif", str(four), "--sweep", "inject.all_reduce=0ms", "--", "true")
+    assert r.returncode == 1 and "made no torch.distributed calls" in r.stderr, r.stderr

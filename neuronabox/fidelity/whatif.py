@@ -160,20 +160,21 @@ def run_sweep(
     from ..emu.runner import describe_exit, run_command
     from ..report.run_summary import summarize
 
-    points = [p for p, _ in prepared]
-    reports: list[list[dict]] = [[] for _ in points]
-    total, done = len(points) * repeats, 0
+    reports: list[list[dict]] = [[] for _ in prepared]
+    total, done = len(prepared) * repeats, 0
     for _ in range(repeats):
         for i, (p, topo) in enumerate(prepared):
             res = run_command(topo, command, topo.emulation.real_ranks[0])
-            if res.returncode != 0 or res.record is None:
+            if res.returncode != 0:
                 raise RunFailed(f"whatif point {p}: the command {describe_exit(res.returncode)}")
+            if res.record is None:
+                raise RunFailed(f"whatif point {p}: the command made no torch.distributed calls: nothing was emulated")
             reports[i].append(summarize(res.record, warmup))
             done += 1
             if progress:
                 progress(done, total, p, None)
     results = []
-    for p, reps in zip(points, reports):
+    for (p, _), reps in zip(prepared, reports):
         med = [r["iteration_time"]["median"] for r in reps]
         results.append(
             WhatIfResult(
