@@ -694,8 +694,16 @@ def test_cli_verbs(tmp_path):
     assert r.exit_code == 0, r.output
     assert "tbf" in r.output and "relay (TCP)" in r.output and "nfqueue" in r.output
     try:
+        up_said = r.output
         r = runner.invoke(app, ["status", "--json", "--name", "cli"])
-        assert json.loads(r.output)[0]["healthy"] is True
+        assert json.loads(r.output)[0]["healthy"] is True and "hosts" not in json.loads(r.output)[0]
+        r = runner.invoke(app, ["status", "--json", "--nodes", "--name", "cli"])
+        hosts = json.loads(r.output)[0]["hosts"]
+        assert [h["node"] for h in hosts] == ["node0", "node1"] and all(h["ns"] and h["address"] for h in hosts)
+        r = runner.invoke(app, ["status", "--nodes", "--name", "cli"])
+        assert r.exit_code == 0 and all(h["address"] in r.output and h["ns"] in r.output for h in hosts), r.output
+        # What a launcher in each node needs for --rdzv-endpoint: node 0's address, said by up itself.
+        assert f"node addresses: node0 {hosts[0]['address']}, node1 {hosts[1]['address']}" in up_said, up_said
         r = runner.invoke(app, ["shape", "node0:0--switch", "--rate", "50Mbps", "--delay", "2ms", "--name", "cli"])
         assert r.exit_code == 0 and "50Mbps" in r.output, r.output
         r = runner.invoke(app, ["shape", "nosuch", "--delay", "2ms", "--name", "cli"])

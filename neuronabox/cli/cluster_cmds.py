@@ -51,7 +51,23 @@ def up_cmd(
     console.print(f"cluster [bold]{res.name}[/bold] ({res.runtime}): {len(res.nodes)} nodes, {len(res.links)} links, {state}")
     if res.agent_url:
         console.print(f"shaping agent: {res.agent_url}  (metrics: {res.agent_url}/metrics)")
+    if res.nodes:
+        # A launcher in each node needs node 0's address (--rdzv-endpoint, MASTER_ADDR).
+        shown = ", ".join(f"{h['node']} {h['address']}" for h in res.nodes[:6])
+        more = f", … ({len(res.nodes) - 6} more: nbox status --nodes)" if len(res.nodes) > 6 else ""
+        console.print(f"node addresses: {shown}{more}", highlight=False)
     _print_mechanisms(res.links)
+
+
+def _print_nodes(cluster: str, hosts: list[dict]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"nodes of {cluster}", title_justify="left")
+    for col in ("node", "index", "address", "namespace", "service"):
+        t.add_column(col)
+    for h in hosts:
+        t.add_row(h["node"], str(h["index"]), h["address"], h.get("ns") or "-", h.get("service") or "-")
+    console.print(t)
 
 
 def _print_mechanisms(links: list[dict]) -> None:
@@ -87,7 +103,8 @@ def down_cmd(name: Optional[str] = typer.Argument(None, help="Cluster name (defa
 
 @app.command("status")
 def status_cmd(name: Optional[str] = NAME, as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-               links: bool = typer.Option(False, "--links", help="Also list the links and their mechanisms.")) -> None:
+               links: bool = typer.Option(False, "--links", help="Also list the links and their mechanisms."),
+               nodes: bool = typer.Option(False, "--nodes", help="Also list the nodes: address, namespace or service.")) -> None:
     """Show the clusters that are up."""
     from rich.table import Table
 
@@ -95,6 +112,9 @@ def status_cmd(name: Optional[str] = NAME, as_json: bool = typer.Option(False, "
     from ..cluster.state import ClusterState
 
     rows = status(name)
+    if nodes:
+        for r in rows:
+            r["hosts"] = (ClusterState.load(r["name"]).get("plan") or {}).get("hosts", [])
     if as_json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
@@ -108,6 +128,9 @@ def status_cmd(name: Optional[str] = NAME, as_json: bool = typer.Option(False, "
     for r in rows:
         t.add_row(*("-" if r[c] is None else str(r[c]) for c in cols))  # a local cluster has no agent
     console.print(t)
+    if nodes:
+        for r in rows:
+            _print_nodes(r["name"], r["hosts"])
     if links:
         for r in rows:
             _print_mechanisms(_result(ClusterState.load(r["name"])).links)
