@@ -14,7 +14,7 @@ pytest.importorskip("torch", reason="calibration runs gloo")
 
 
 from .conftest import run_nbox  # noqa: E402
-from .test_validate_root import leftovers  # noqa: E402
+from .test_validate_root import _stop_when, leftovers  # noqa: E402
 
 pytestmark = [
     pytest.mark.root,
@@ -95,3 +95,14 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     t = load_topology(topo)
     assert t.emulation.model == "calibrated" and t.emulation.profile == str(out.resolve())
     assert leftovers(tmp_path / "state") == before
+
+
+def test_a_stopped_calibration_takes_down_its_cluster_and_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBOX_STATE_DIR", str(tmp_path / "state"))
+    topo = tmp_path / "cal.yaml"
+    topo.write_text(TOPO)
+    before = leftovers(tmp_path / "state")
+    # Stopped in its sweep (killed outright it left the namespaces, agent, relays and ranks behind).
+    rc, out, err = _stop_when(["calibrate", str(topo), "--profile", str(tmp_path / "p.json")], "measuring", after_s=2.0)
+    assert rc == 128 + 15 and "nbox: stopped by SIGTERM" in err, out + err
+    assert leftovers(tmp_path / "state") == before and not (tmp_path / "p.json").exists()

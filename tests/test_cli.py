@@ -141,3 +141,20 @@ def test_piped_output_uses_120_columns_not_80():
     widths = [len(line) for line in r.stdout.splitlines()]
     assert 80 < max(widths) <= 120, max(widths)
     assert any("node0, node1, node2" in line for line in r.stdout.splitlines()), "the node list is not folded"
+
+
+def test_signal_exits_leave_an_ignored_signal_ignored():
+    import signal
+
+    from neuronabox import cli
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+        cli._install_signal_exits()
+        assert signal.getsignal(signal.SIGTERM) is cli._leave_on_signal
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)

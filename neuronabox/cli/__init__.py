@@ -8,6 +8,7 @@ own module and registers itself on ``app``.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -54,8 +55,39 @@ from . import cluster_cmds, compose_cmds, fidelity_cmds, model_cmds, report_cmds
 from . import deploy_cmds  # noqa: E402,F401
 
 
+# Signals that end nbox the way the default action would, but through every ``finally``.
+_LEAVE_ON = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _leave_on_signal(signum, frame) -> None:
+    """SIGTERM or SIGHUP: exit with 128 + the signal, through every ``finally`` and context manager."""
+    # Killed outright, a calibrate or validate left its cluster up (agent, relays, stubs, a
+    # namespace per node) and its ranks running; on the way out they are taken down as after
+    # an error. A second signal must not cut that clean-up short.
+    for s in _LEAVE_ON:
+        signal.signal(s, _while_leaving)
+    _state["signal"] = signal.Signals(signum).name
+    raise SystemExit(128 + signum)
+
+
+def _while_leaving(signum, frame) -> None:
+    """A signal while nbox cleans up after the first: ignored, the clean-up finishes."""
+
+
+def _install_signal_exits() -> None:
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in _LEAVE_ON:
+        # A signal someone ignores on purpose (nohup's SIGHUP) stays ignored.
+        if signal.getsignal(s) is signal.SIG_DFL:
+            signal.signal(s, _leave_on_signal)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nbox`` console script."""
+    _install_signal_exits()
     try:
         # Standalone mode: click prints usage errors itself and exits 2; our errors are not
         # click's exceptions, so they come through here.
@@ -66,5 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nbox: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except SystemExit as exc:
+        if _state.get("signal"):
+            print(f"nbox: stopped by {_state['signal']}", file=sys.stderr)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0

@@ -325,6 +325,7 @@ def _run_emulated(
 ) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("NBOX_RECORD", "NBOX_RECORD_ONLY")}
     outs, twin_procs = [], []
+    p: subprocess.Popen | None = None
     # The twins' steps run beside the measured rank's (start_gate.py): all meet when their first
     # process group exists, and the twins wait at the end of their first iteration for the
     # measured rank to end its own.
@@ -381,8 +382,9 @@ def _run_emulated(
                     + (f" (log {log.with_name(f'{log.stem}-twin{rank}.log')})" if log else ""))
         return rc
     finally:
-        for _, tp in twin_procs:
-            _end(tp)
+        # Also the measured rank: a signal (nbox validate stopped) can leave its wait early.
+        for proc in ([p] if p is not None else []) + [tp for _, tp in twin_procs]:
+            _end(proc)
         for f in outs:
             f.close()
         shutil.rmtree(gate, ignore_errors=True)
