@@ -43,6 +43,17 @@ class Knob:
     values: tuple[str, ...]
 
 
+def _numbers(values: tuple[str, ...], kind, what: str) -> list:
+    """The values as numbers of ``kind``; the first that is not one is named."""
+    out = []
+    for v in values:
+        try:
+            out.append(kind(v))
+        except ValueError:
+            raise ValueError(f"{v!r} is not {what}") from None
+    return out
+
+
 def parse_sweep(spec: str) -> Knob:
     """``inject.all_reduce=0ms,2ms`` -> Knob; errors name the flag and the value."""
     name, sep, values = spec.partition("=")
@@ -59,14 +70,15 @@ def parse_sweep(spec: str) -> Knob:
             for v in vals:
                 parse_duration(v.lstrip("+"))
         elif head in ("latency_scale", "bandwidth_scale"):
-            if any(float(v) <= 0 for v in vals):
+            if any(x <= 0 for x in _numbers(vals, float, "a number")):
                 raise ValueError("scales must be greater than zero")
         elif head == "world_size":
-            if any(int(v) < 1 for v in vals):
+            if any(x < 1 for x in _numbers(vals, int, "a whole number")):
                 raise ValueError("world sizes must be positive")
         elif head == "straggler":
-            int(tail)
-            if any(float(v) <= 0 for v in vals):
+            if not tail.isdigit():
+                raise ValueError("a straggler knob names its rank: straggler.RANK=F1,F2,... (e.g. straggler.3=1,1.5,2)")
+            if any(x <= 0 for x in _numbers(vals, float, "a number")):
                 raise ValueError("straggler factors must be greater than zero")
         elif head == "topology":
             for v in vals:
