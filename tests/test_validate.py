@@ -171,3 +171,11 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path):
         r = run_nbox(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+
+
+def test_rank_lists_and_exit_statuses_fit_a_line():
+    from neuronabox.fidelity.validate import exit_codes_text, rank_ranges
+
+    assert rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2, 5, 7-8" and rank_ranges([3]) == "3"
+    assert exit_codes_text([1] * 64) == "1 on ranks 0-63"
+    assert exit_codes_text([0, -9, 0, 0, 1]) == "0 on ranks 0, 2-3; -9 on rank 1; 1 on rank 4"

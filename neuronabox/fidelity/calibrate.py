@@ -222,11 +222,13 @@ def _worker_command(plan: "WorkerPlan", folder: Path) -> list[str]:
 
 def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path) -> dict:
     """What rank 0 wrote, or the ranks' failure with rank 0's last lines."""
+    from .validate import exit_codes_text
+
     if any(codes) or not Path(plan.out).exists():
         log = logs / "rank0.log"
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-        raise RunFailed(f"the calibration ranks failed (exit codes {codes}): "
-                                 f"{' | '.join(tail) or '(no output)'}")
+        raise RunFailed(f"the calibration ranks failed (exit status {exit_codes_text(codes)}): "
+                        f"{' | '.join(tail) or '(no output)'}")
     return json.loads(Path(plan.out).read_text())
 
 

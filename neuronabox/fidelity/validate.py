@@ -133,6 +133,28 @@ def rank_cores(world: int) -> list[int]:
     return [node_cpu(r) for r in range(world)]
 
 
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``: a 64-rank list in a line."""
+    out: list[str] = []
+    xs = sorted(set(ranks))
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def exit_codes_text(codes: Sequence[int]) -> str:
+    """Every rank's exit status, grouped by status: ``1 on ranks 0-63`` or ``0 on ranks 0, 2-7; -9 on rank 1``."""
+    by_code: dict[int, list[int]] = {}
+    for rank, code in enumerate(codes):
+        by_code.setdefault(code, []).append(rank)
+    return "; ".join(f"{code} on rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)}" for code, rs in by_code.items())
+
+
 def twin_ranks(world: int, real_rank: int) -> list[tuple[int, int]]:
     """The load twin: (rank, core) of every rank of the real system other than the emulated run's real rank."""
     cores = rank_cores(world)
@@ -576,8 +598,10 @@ def run_validation(
         core0 = rank_cores(topo.world_size)[real_rank]
         twins = twin_ranks(topo.world_size, real_rank) if twin else []
         if twins:
-            say(f"load twin: rank(s) {', '.join(str(r) for r, _ in twins)} run beside each emulated run "
-                f"(their own nbox run, pinned to core(s) {', '.join(str(c) for _, c in twins)})")
+            pinned = (f"pinned to core(s) {', '.join(str(c) for _, c in twins)}" if len(twins) <= 8 else
+                      f"each pinned to its rank's core, cores {rank_ranges([c for _, c in twins])}")
+            say(f"load twin: rank(s) {rank_ranges([r for r, _ in twins])} run beside each emulated run "
+                f"(their own nbox run, {pinned})")
         systems = ["real"] + [m for m in modes if results[m].available]
         real_walls: list[float] = []
         runs = 0
@@ -604,7 +628,7 @@ def run_validation(
                         log = logs / f"real-{rep}" / f"rank{bad}.log"
                         tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
                         where = f" (logs in {log.parent})" if keep_logs else ""
-                        raise RunFailed(f"the real system failed (rank exit codes {codes}); rank {bad}: "
+                        raise RunFailed(f"the real system failed (exit status {exit_codes_text(codes)}); rank {bad}: "
                                         f"{(tail or ['(no output)'])[0]}{where}")
                     its = json.loads(rec.read_text())["iterations"] if rec.exists() else []
                     real.runs.append(_measured(its, warmup, iterations, "real system"))
