@@ -100,9 +100,12 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
 def test_a_stopped_calibration_takes_down_its_cluster_and_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("NBOX_STATE_DIR", str(tmp_path / "state"))
     topo = tmp_path / "cal.yaml"
-    topo.write_text(TOPO)
+    cores = len(os.sched_getaffinity(0))
+    topo.write_text(TOPO.replace("{nodes: 2}", f"{{nodes: {cores + 1}}}"))
     before = leftovers(tmp_path / "state")
     # Stopped in its sweep (killed outright it left the namespaces, agent, relays and ranks behind).
     rc, out, err = _stop_when(["calibrate", str(topo), "--profile", str(tmp_path / "p.json")], "measuring", after_s=2.0)
     assert rc == 128 + 15 and "nbox: stopped by SIGTERM" in err, out + err
     assert leftovers(tmp_path / "state") == before and not (tmp_path / "p.json").exists()
+    # More ranks than cores: the profile would time the sharing too, and calibrate says so first.
+    assert f"note: {cores + 1} ranks on {cores} cores here" in out.replace("\n", " "), out

@@ -119,13 +119,18 @@ def run_calibration(
     timeout: float = 900.0,
 ) -> dict[str, Any]:
     """Bring the cluster up, measure ``ops`` at ``sizes`` among all ranks of ``topology``, fit; returns the profile."""
-    from .validate import cluster_for, launch_real
+    from .validate import cluster_for, launch_real, rank_cores
 
     say = progress or (lambda msg: None)
     if topology.world_size < 2:
         raise InputError(f"{topology.source}: calibration needs at least 2 ranks, "
                          f"the topology has {topology.world_size}")
     backend, device = _backend_for(topology, topology.world_size, "the network part")
+    cores = len(set(rank_cores(topology.world_size)))
+    if device == "cpu" and topology.world_size > cores:
+        # Round robin then: every op's time includes ranks waiting for a core, not only the links.
+        say(f"note: {topology.world_size} ranks on {cores} cores here: they share cores (round robin), so the "
+            f"profile measures that sharing too; a topology of at most {cores} ranks calibrates the links alone")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
         # The stall measurement takes the sweep's care: 100 of its per-size budgets, 5-60 s.
