@@ -115,6 +115,8 @@ def test_failing_command_exits_1_and_bad_input_exits_2(files, tmp_path):
     assert r.returncode == 1 and "exited with status 3" in r.stderr
     r = run_nbox("run", str(topo), "--", PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
     assert r.returncode == 1 and "nbox: error: the command was killed by SIGTERM" in r.stderr, r.stderr
+    # Killed, it had no exit in which to write its record: not "made no torch.distributed calls".
+    assert "it wrote no record, so there is no summary" in r.stderr and "nothing was emulated" not in r.stdout
     r = run_nbox("run", str(topo), "--", "no-such-command-xyz")
     assert r.returncode == 2 and "command not found" in r.stderr
     # --metrics-addr the exporter could not serve: refused before the run (the child would only warn).

@@ -92,7 +92,10 @@ def run(
         else:
             result = run_command(topo, command or [], real, cluster=cluster, mode=mode, extra_env=extra_env)
     if result.record is None:
-        console.print("[yellow]nbox: the command made no torch.distributed calls: nothing was emulated[/yellow]")
+        # A command killed by a signal had no exit in which to write its record; it may well
+        # have made calls.
+        if result.returncode >= 0:
+            console.print("[yellow]nbox: the command made no torch.distributed calls: nothing was emulated[/yellow]")
     else:
         from ..report.run_summary import summarize_ranks
 
@@ -115,6 +118,8 @@ def run(
         why = list(result.failures.values()) + ([result.error] if result.error else [])
         if not launch.elastic() or not why:
             why = [f"the command {describe_exit(result.returncode)}"]
+        if result.record is None and result.returncode < 0:
+            why.append("it wrote no record, so there is no summary")
         print(f"nbox: error: {'; '.join(why)}", file=sys.stderr)
         raise typer.Exit(1)
 
