@@ -217,3 +217,53 @@ def test_unmodified_examples_train_to_the_end(tmp_path, script, done, world):
     assert done.format(w=world) in r.stdout
     ops = _report(rep)["ops"]
     assert {o["ranks"] for o in ops} - {1} and all(o["end"] >= o["start"] for o in ops)
+
+
+STOPPABLE = textwrap.dedent(
+    """
+    import signal, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    if sys.argv[1] == "deaf":
+        signal.signal(signal.SIGTERM, lambda *_: None)  # as a script stuck where no handler runs
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    x = torch.ones(256)
+    for step in range(10 ** 6):
+        dist.all_reduce(x)
+        opt.step()
+        if step == 5:
+            print("READY", flush=True)
+        time.sleep(0.01)
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["plain", "deaf"])
+def test_a_stopped_run_still_summarizes_what_ran(files, tmp_path, kind):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    topo, _ = files
+    script = tmp_path / "stoppable.py"
+    script.write_text(STOPPABLE)
+    report = tmp_path / "r.json"
+    p = subprocess.Popen([PY, "-m", "neuronabox.cli", "run", str(topo), "--report", str(report), "--", PY, str(script), kind],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "COLUMNS": "200", "NBOX_STOP_GRACE": "2"})
+    for line in p.stdout:
+        if "READY" in line:
+            break
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)  # as a scheduler's time limit
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1, out + err
+    if kind == "plain":
+        # SIGTERM passed on; the script's record is written before it dies of it: the summary of what ran.
+        assert "nbox: error: the command was killed by SIGTERM" in err and "iteration time" in out, out + err
+        assert len(_report(report)["iterations"]) >= 5
+    else:
+        # Its own handler ignores SIGTERM: killed after NBOX_STOP_GRACE, no record.
+        assert "was killed by SIGKILL; it wrote no record" in err, err
+        assert 2.0 <= time.monotonic() - t0 < 20 and not report.exists()

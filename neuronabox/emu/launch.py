@@ -283,6 +283,27 @@ def autostart() -> None:
     out = os.environ.get("NBOX_RECORD")
     if out:
         atexit.register(_write_record, out)
+        _record_on_sigterm(out)
+
+
+def _record_on_sigterm(path: str) -> None:
+    """Write the record before SIGTERM's default action, which ends the process without its atexit handlers."""
+    import signal
+    import threading
+
+    # Only where SIGTERM would simply kill: a script's own handler (set before or after this)
+    # keeps its meaning, and one that exits through sys.exit writes the record at exit anyway.
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_term(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            _write_record(path)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # and die by it, as before: the parent sees status -15
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def _write_record(path: str) -> None:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -213,20 +214,46 @@ def _cluster_hook(env: dict[str, str], topology: Topology, real_rank: int, clust
     return Namespace(h["ns"]).preexec() if h.get("ns") else None
 
 
+# After a SIGTERM is passed on, how long the command has to write its record and end before it
+# is killed (NBOX_STOP_GRACE, seconds: as a scheduler's kill wait, e.g. Slurm's KillWait of 30 s).
+STOP_GRACE_S = 30.0
+ENV_STOP_GRACE = "NBOX_STOP_GRACE"
+
+
+class _Stopping(Exception):
+    """nbox run got SIGTERM and passed it on: stop waiting without a limit."""
+
+
 def _wait(child: subprocess.Popen) -> int:
     # Ctrl-C reaches the child too (same process group); give it time to write its record.
-    forward = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+    # SIGTERM (a scheduler's time limit, a supervisor) is passed on, and the child writes its
+    # record before it dies (launch.autostart); one that does not end within STOP_GRACE_S
+    # (stuck in a C call that never returns to Python) is killed.
+    def forward(*_) -> None:
+        child.send_signal(signal.SIGTERM)
+        raise _Stopping
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    deadline = None
     try:
         while True:
             try:
-                return child.wait()
+                if deadline is None:
+                    return child.wait()
+                try:
+                    return child.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    return child.wait()
+            except _Stopping:
+                deadline = deadline or time.monotonic() + float(os.environ.get(ENV_STOP_GRACE) or STOP_GRACE_S)
             except KeyboardInterrupt:
                 try:
                     return child.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     child.kill()
     finally:
-        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _jsonable(value: Any) -> Any:
