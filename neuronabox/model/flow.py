@@ -13,8 +13,12 @@ completion times scale linearly in S: a phase *pattern* is simulated once, for S
 time is ``latency + S * unit``. Patterns are memoized by their flows, plans (the phase list of
 an op/algorithm/group/root) by their key, so a warm estimate is a few multiplications.
 
+``auto`` runs, per call, whichever of the library's algorithms (as in the alpha-beta model:
+nccl ring or tree, gloo ring or rhd) finishes first alone at that size; collectives started
+together keep that choice, since a library picks by size, not by the traffic beside it.
+
 Decompositions (n ranks, S nccl-tests bytes, c channels):
-- ring (auto for all-reduce, all-gather, reduce-scatter, broadcast, reduce, barrier): ranks
+- ring: ranks
   ordered by node (nodes in order of first appearance in the group, ranks by local index), so
   the ring crosses each node boundary once. Like NCCL, c = min over the group's nodes of
   min(group ranks on the node, NICs of the node) parallel rings each carry S/c; ring j enters
@@ -63,6 +67,7 @@ import numpy as np
 
 from ..collectives import Op
 from ..errors import InputError
+from .alphabeta import AUTO_CANDIDATES
 from .base import Collective, CommModel, Estimate, Group, Step
 
 __all__ = ["FlowModel", "max_min_rates", "drain"]
@@ -347,6 +352,10 @@ class FlowModel(CommModel):
             raise InputError(
                 f"{self.algorithm!r} is not an algorithm of model 'flow' (choose from auto, {', '.join(self.algorithms)})"
             )
+        # What auto chooses among (the library's algorithms, as in the alpha-beta model); all-to-all
+        # stays direct (NCCL posts every send and receive together).
+        self._auto = tuple(a for a in AUTO_CANDIDATES.get(topology.emulation.library, ("ring",)) if a in self.algorithms) or ("ring",)
+        self._choices: dict[tuple, str] = {}
         self._groups: dict[Group, _GroupInfo] = {}
         self._plans: dict[tuple, _Plan] = {}
         self._patterns: dict[bytes, _Pattern] = {}
@@ -356,9 +365,8 @@ class FlowModel(CommModel):
     def estimate(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> Estimate:
         """Duration of one collective alone on the network, from memoized phase patterns."""
         group = Group.of(group)
-        plan = self._plan(op, group, root)
         s = 0.0 if op is Op.BARRIER else float(nbytes)
-        phases = plan.phases(s, self.graph.capacity, self.pipeline_chunk, self.pipeline_min_chunks)
+        plan, phases = self._chosen(op, group, root, s)
         duration = 0.0
         log = []
         for ph in phases:
@@ -376,9 +384,8 @@ class FlowModel(CommModel):
         runs = []
         out: list[Estimate | None] = [None] * len(collectives)
         for i, c in enumerate(collectives):
-            group = Group.of(c.group)
-            plan = self._plan(c.op, group, c.root)
-            phases = plan.phases(0.0 if c.op is Op.BARRIER else float(c.nbytes), self.graph.capacity, self.pipeline_chunk, self.pipeline_min_chunks)
+            # Each runs the algorithm it would run alone: a library picks by size, not by the traffic beside it.
+            plan, phases = self._chosen(c.op, Group.of(c.group), c.root, 0.0 if c.op is Op.BARRIER else float(c.nbytes))
             if phases:
                 runs.append(_Run(i, plan.algorithm, phases))
             else:
@@ -392,9 +399,30 @@ class FlowModel(CommModel):
         self._concurrent[key] = out
         return list(out)
 
-    def plan_algorithm(self, op: Op, group: Group | Sequence[int]) -> str:
-        """The algorithm the model uses for ``op`` over ``group`` (after auto and fallbacks)."""
-        return self._plan(op, Group.of(group), 0).algorithm
+    def _chosen(self, op: Op, group: Group, root: int, s: float) -> tuple[_Plan, list]:
+        """The plan run for ``s`` bytes and its phases: under ``auto``, the fastest alone of the library's algorithms."""
+        phases_of = lambda plan: plan.phases(s, self.graph.capacity, self.pipeline_chunk, self.pipeline_min_chunks)  # noqa: E731
+        if self.algorithm != "auto":
+            plan = self._plan(op, group, root, self.algorithm)
+            return plan, phases_of(plan)
+        # A training run asks about the same few sizes every iteration: the choice is kept.
+        key = (op, group, root, s)
+        algo = self._choices.get(key)
+        if algo is not None:
+            plan = self._plan(op, group, root, algo)
+            return plan, phases_of(plan)
+        best = None
+        auto = ("direct",) if op is Op.ALL_TO_ALL else self._auto
+        for cand in dict.fromkeys(self._resolve(op, a) for a in auto):
+            plan = self._plan(op, group, root, cand)
+            phases = phases_of(plan)
+            t = sum(ph.repeats * ph.time() for ph in phases)
+            if best is None or t < best[0]:
+                best = (t, plan, phases)
+        if len(self._choices) > 65536:
+            self._choices.clear()
+        self._choices[key] = best[1].algorithm
+        return best[1], best[2]
 
     # ---- plans ----------------------------------------------------------------------------
     def _info(self, group: Group) -> _GroupInfo:
@@ -409,30 +437,28 @@ class FlowModel(CommModel):
             info = self._groups[group] = _GroupInfo(self, group)
         return info
 
-    def _resolve(self, op: Op, n: int) -> str:
-        """The algorithm actually run: auto, then fallbacks for ops an algorithm does not cover."""
-        algo = self.algorithm
+    @staticmethod
+    def _resolve(op: Op, algo: str) -> str:
+        """The algorithm actually run for a chosen one: fallbacks for ops it does not cover."""
         if op in (Op.GATHER, Op.SCATTER, Op.SEND_RECV):
             return "direct"
         if op is Op.ALL_TO_ALL:
-            return "direct" if algo in ("auto", "tree", "direct") else algo
-        if algo == "auto":
-            return "ring"
+            return "direct" if algo in ("tree", "direct") else algo
         if algo == "tree" and op in (Op.ALL_GATHER, Op.REDUCE_SCATTER):
             return "ring"
         return algo
 
-    def _plan(self, op: Op, group: Group, root: int) -> _Plan:
+    def _plan(self, op: Op, group: Group, root: int, algorithm: str) -> _Plan:
         n = group.size
         if op in (Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER, Op.SEND_RECV):
             if not 0 <= root < n:
                 raise InputError(f"root {root} is not a group index (group of {n})")
         else:
             root = 0
-        key = (op, group, root, self.algorithm)
+        key = (op, group, root, algorithm)
         plan = self._plans.get(key)
         if plan is None:
-            algo = self._resolve(op, n)
+            algo = self._resolve(op, algorithm)
             info = self._info(group)
             segs = [] if n < 2 else self._segments(op if op is not Op.BARRIER else Op.ALL_REDUCE, algo, info, group, root)
             plan = self._plans[key] = _Plan(algo, segs)
