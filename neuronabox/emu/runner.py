@@ -110,13 +110,14 @@ def run_command(
         # Cluster hook (nbox run --cluster N [--mode wire]): the real rank runs inside its node's
         # namespace; wire mode also needs the stub peers up (neuronabox/cluster/stub.py).
         preexec = _cluster_hook(env, topology, real_rank, cluster, mode) if cluster else None
+        grace = _stop_grace()
         try:
             child = subprocess.Popen(list(command), env=env, preexec_fn=preexec)
         except FileNotFoundError:
             raise InputError(f"nbox run: command not found: {command[0]!r}") from None
         except PermissionError:
             raise InputError(f"nbox run: command not executable: {command[0]!r}") from None
-        rc = _wait(child)
+        rc = _wait(child, grace)
         record = json.loads(record_file.read_text(encoding="utf-8")) if record_file.exists() else None
     failures = {real_rank: f"real rank {real_rank} {describe_exit(rc)}"} if rc else {}
     return RunResult(rc, record, {real_rank: record} if record is not None else {}, failures)
@@ -220,11 +221,23 @@ STOP_GRACE_S = 30.0
 ENV_STOP_GRACE = "NBOX_STOP_GRACE"
 
 
+def _stop_grace() -> float:
+    """Seconds from NBOX_STOP_GRACE, else STOP_GRACE_S."""
+    text = os.environ.get(ENV_STOP_GRACE, "").strip()
+    try:
+        value = float(text) if text else STOP_GRACE_S
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise InputError(f"{ENV_STOP_GRACE}: expected seconds (0 or more), got {text!r}")
+    return value
+
+
 class _Stopping(Exception):
     """nbox run got SIGTERM and passed it on: stop waiting without a limit."""
 
 
-def _wait(child: subprocess.Popen) -> int:
+def _wait(child: subprocess.Popen, grace: float) -> int:
     # Ctrl-C reaches the child too (same process group); give it time to write its record.
     # SIGTERM (a scheduler's time limit, a supervisor) is passed on, and the child writes its
     # record before it dies (launch.autostart); one that does not end within STOP_GRACE_S
@@ -246,7 +259,7 @@ def _wait(child: subprocess.Popen) -> int:
                     child.kill()
                     return child.wait()
             except _Stopping:
-                deadline = deadline or time.monotonic() + float(os.environ.get(ENV_STOP_GRACE) or STOP_GRACE_S)
+                deadline = deadline or time.monotonic() + grace
             except KeyboardInterrupt:
                 try:
                     return child.wait(timeout=10)
