@@ -124,3 +124,43 @@ def test_whatif_bad_usage_exits_2(tmp_path):
     assert r.returncode == 1 and "the command exited with status 1" in r.stderr, r.stderr
     r = run_nbox("whatif", str(four), "--sweep", "inject.all_reduce=0ms", "--", "true")
     assert r.returncode == 1 and "made no torch.distributed calls" in r.stderr, r.stderr
+
+
+SLOW_POINT = """
+import sys, time
+import torch, torch.distributed as dist
+with open(sys.argv[1], "a") as f:
+    f.write("start\\n")
+dist.init_process_group("gloo")
+x = torch.ones(64)
+opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+for _ in range(int(sys.argv[2])):
+    dist.all_reduce(x)
+    opt.step()
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_sweep_keeps_the_points_that_ran(tmp_path, sig):
+    import signal
+    import subprocess
+    import time
+
+    topo = tmp_path / "t.yaml"
+    topo.write_text("cluster: {nodes: 4}\nnetwork: {type: switch, link: {bandwidth: 10Gbps, latency: 10us}}\n")
+    script, starts, out = tmp_path / "slow.py", tmp_path / "starts", tmp_path / "out"
+    script.write_text(SLOW_POINT)
+    p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", "whatif", str(topo), "--sweep", "inject.all_reduce=0ms,1ms,2ms",
+                          "-o", str(out), "--", sys.executable, str(script), str(starts), "12"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not starts.exists() or starts.read_text().count("start") < 2):
+        time.sleep(0.05)  # the second point's run has begun: the first one finished
+    p.send_signal(getattr(signal, sig))
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 128 + getattr(signal, sig), stdout + stderr
+    assert f"nbox: error: stopped by {sig} after 1 of 3 runs" in stderr and "partial: 1 of 3 points" in stdout, stdout + stderr
+    rows = list(csv.DictReader((out / "whatif.csv").open()))
+    assert [row["inject.all_reduce"] for row in rows] == ["0ms"] and float(rows[0]["iteration_median_ms"]) > 40

@@ -28,7 +28,7 @@ def whatif(
     """Run the training command over a grid of what-if knobs; write a CSV, a Markdown table and plots."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..fidelity.whatif import parse_sweep, prepare_points, run_sweep, write_outputs
+    from ..fidelity.whatif import SweepStopped, parse_sweep, prepare_points, run_sweep, write_outputs
 
     if not sweep:
         raise InputError("--sweep: give at least one knob, e.g. --sweep inject.all_reduce=0ms,2ms,5ms")
@@ -48,7 +48,13 @@ def whatif(
         def progress(done, total, point, _):
             bar.update(task, completed=done, description=", ".join(f"{k}={v}" for k, v in point.items()))
 
-        results = run_sweep(points, command, repeats, warmup, progress)
+        stopped = None
+        try:
+            results = run_sweep(points, command, repeats, warmup, progress)
+        except SweepStopped as exc:
+            results, stopped = exc.results, exc
+    if stopped is not None and not results:
+        raise stopped
     context = (f"{base.name}: {base.world_size} ranks, model {base.emulation.model}, "
                f"{repeats} run{'s' if repeats > 1 else ''} per point; command: {' '.join(command)}")
     if len(context) > 150:
@@ -60,6 +66,11 @@ def whatif(
         console.print(f"no plots: matplotlib is not installed here (a dependency of neuronabox); where it is, "
                       f"`nbox report {out / 'whatif.json'}` draws them", style="yellow", highlight=False)
     console.print((out / "whatif.md").read_text())
+    if stopped is not None:
+        # The tables hold the points that ran (each over the repeats it finished); exit as stopped.
+        console.print(f"partial: {len(results)} of {len(points)} points, {stopped.done} of {stopped.total} runs",
+                      style="yellow", highlight=False)
+        raise stopped
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, no_args_is_help=True)

@@ -46,6 +46,7 @@ class RunResult:
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
     error: str | None = None  # a launcher failure that no rank owns (the rendezvous)
+    stopped_by: str | None = None  # SIGINT or SIGTERM when nbox itself was stopped while the command ran
 
 
 def child_env(topology_file: Path, topology: Topology, real_rank: int, record: Path, model: str | None) -> dict[str, str]:
@@ -117,10 +118,10 @@ def run_command(
             raise InputError(f"nbox run: command not found: {command[0]!r}") from None
         except PermissionError:
             raise InputError(f"nbox run: command not executable: {command[0]!r}") from None
-        rc = _wait(child, grace)
+        rc, stopped_by = _wait(child, grace)
         record = json.loads(record_file.read_text(encoding="utf-8")) if record_file.exists() else None
     failures = {real_rank: f"real rank {real_rank} {describe_exit(rc)}"} if rc else {}
-    return RunResult(rc, record, {real_rank: record} if record is not None else {}, failures)
+    return RunResult(rc, record, {real_rank: record} if record is not None else {}, failures, stopped_by=stopped_by)
 
 
 def run_real_ranks(
@@ -237,32 +238,35 @@ class _Stopping(Exception):
     """nbox run got SIGTERM and passed it on: stop waiting without a limit."""
 
 
-def _wait(child: subprocess.Popen, grace: float) -> int:
+def _wait(child: subprocess.Popen, grace: float) -> tuple[int, str | None]:
+    """The child's exit status, and SIGINT or SIGTERM if nbox was stopped meanwhile."""
     # Ctrl-C reaches the child too (same process group); give it time to write its record.
     # SIGTERM (a scheduler's time limit, a supervisor) is passed on, and the child writes its
-    # record before it dies (launch.autostart); one that does not end within STOP_GRACE_S
+    # record before it dies (launch.autostart); one that does not end within the grace
     # (stuck in a C call that never returns to Python) is killed.
     def forward(*_) -> None:
         child.send_signal(signal.SIGTERM)
         raise _Stopping
 
     previous = signal.signal(signal.SIGTERM, forward)
-    deadline = None
+    deadline, stopped_by = None, None
     try:
         while True:
             try:
                 if deadline is None:
-                    return child.wait()
+                    return child.wait(), stopped_by
                 try:
-                    return child.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    return child.wait(timeout=max(0.0, deadline - time.monotonic())), stopped_by
                 except subprocess.TimeoutExpired:
                     child.kill()
-                    return child.wait()
+                    return child.wait(), stopped_by
             except _Stopping:
                 deadline = deadline or time.monotonic() + grace
+                stopped_by = stopped_by or "SIGTERM"
             except KeyboardInterrupt:
+                stopped_by = stopped_by or "SIGINT"
                 try:
-                    return child.wait(timeout=10)
+                    return child.wait(timeout=10), stopped_by
                 except subprocess.TimeoutExpired:
                     child.kill()
     finally:

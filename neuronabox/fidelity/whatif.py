@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..collectives import Op
-from ..errors import InputError, RunFailed
+from ..errors import InputError, NboxError, RunFailed
 from ..jsondoc import read_document
 from ..topology import Topology, load_topology
 from ..units import UnitError, parse_duration
@@ -161,6 +161,17 @@ def prepare_points(
     return prepared
 
 
+class SweepStopped(NboxError):
+    """nbox whatif was stopped (SIGINT, SIGTERM) during a run: the results of the points that finished."""
+
+    def __init__(self, signal_name: str, results: list["WhatIfResult"], done: int, total: int):
+        import signal
+
+        self.exit_code = 128 + int(getattr(signal, signal_name))
+        self.results, self.signal_name, self.done, self.total = results, signal_name, done, total
+        super().__init__(f"stopped by {signal_name} after {done} of {total} runs")
+
+
 def run_sweep(
     prepared: Sequence[tuple[dict[str, str], Topology]],
     command: Sequence[str],
@@ -177,6 +188,9 @@ def run_sweep(
     for _ in range(repeats):
         for i, (p, topo) in enumerate(prepared):
             res = run_command(topo, command, topo.emulation.real_ranks[0])
+            if res.stopped_by:
+                # Ctrl-C or SIGTERM in an hours-long sweep: what finished is kept.
+                raise SweepStopped(res.stopped_by, _aggregate(prepared, reports), done, total)
             if res.returncode != 0:
                 raise RunFailed(f"whatif point {p}: the command {describe_exit(res.returncode)}")
             if res.record is None:
@@ -185,8 +199,15 @@ def run_sweep(
             done += 1
             if progress:
                 progress(done, total, p, None)
+    return _aggregate(prepared, reports)
+
+
+def _aggregate(prepared: Sequence[tuple[dict[str, str], Topology]], reports: list[list[dict]]) -> list[WhatIfResult]:
+    """One result per point that has run, over its runs' summaries."""
     results = []
     for (p, _), reps in zip(prepared, reports):
+        if not reps:
+            continue
         med = [r["iteration_time"]["median"] for r in reps]
         results.append(
             WhatIfResult(
