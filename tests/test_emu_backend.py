@@ -169,6 +169,10 @@ def test_all_gather_variants(emulate, world):
     out2 = torch.zeros(world, 2)
     dist.all_gather_into_tensor(out2, x)
     assert torch.equal(out2, x.expand(world, 2))
+    if hasattr(dist, "all_gather_single"):  # torch 2.13's name for it
+        out3 = torch.zeros(world * 2)
+        dist.all_gather_single(out3, x)
+        assert torch.equal(out3, x.repeat(world)) and last_op().op is Op.ALL_GATHER
 
     # in place: the input is this rank's chunk of the output (FSDP does this)
     buf = torch.zeros(world * 2)
@@ -212,6 +216,10 @@ def test_reduce_scatter_variants(emulate, world):
     assert torch.equal(out, inp[3 * me : 3 * me + 3])
     dist.reduce_scatter_tensor(out, inp)
     assert torch.equal(out, inp[3 * me : 3 * me + 3] * world)
+    if hasattr(dist, "reduce_scatter_single"):  # torch 2.13's name for it
+        out = torch.zeros(3)
+        dist.reduce_scatter_single(out, inp)
+        assert torch.equal(out, inp[3 * me : 3 * me + 3] * world) and last_op().op is Op.REDUCE_SCATTER
 
     from torch.distributed.distributed_c10d import _coalescing_manager
 

@@ -524,12 +524,15 @@ def _op_call(op: Op, size: int, rank: int, n: int, device=None):
     if op is Op.REDUCE:
         x = ones(elems)
         return (lambda: dist.reduce(x, 0)), nbytes
+    # torch 2.13 renamed the tensor forms (the old names warn); older releases have only those.
     if op is Op.ALL_GATHER:
         out, inp = empty(elems), ones(elems // n)
-        return (lambda: dist.all_gather_into_tensor(out, inp)), nbytes
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return (lambda: gather(out, inp)), nbytes
     if op is Op.REDUCE_SCATTER:
         inp, out = ones(elems), empty(elems // n)
-        return (lambda: dist.reduce_scatter_tensor(out, inp)), nbytes
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return (lambda: scatter(out, inp)), nbytes
     if op is Op.ALL_TO_ALL:
         inp, out = ones(elems), empty(elems)
         return (lambda: dist.all_to_all_single(out, inp)), nbytes
