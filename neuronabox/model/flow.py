@@ -401,7 +401,9 @@ class FlowModel(CommModel):
 
     def _chosen(self, op: Op, group: Group, root: int, s: float) -> tuple[_Plan, list]:
         """The plan run for ``s`` bytes and its phases: under ``auto``, the fastest alone of the library's algorithms."""
-        phases_of = lambda plan: plan.phases(s, self.graph.capacity, self.pipeline_chunk, self.pipeline_min_chunks)  # noqa: E731
+        def phases_of(plan: _Plan) -> list:
+            return plan.phases(s, self.graph.capacity, self.pipeline_chunk, self.pipeline_min_chunks)
+
         if self.algorithm != "auto":
             plan = self._plan(op, group, root, self.algorithm)
             return plan, phases_of(plan)
