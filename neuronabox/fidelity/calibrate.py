@@ -119,15 +119,15 @@ def run_calibration(
     timeout: float = 900.0,
 ) -> dict[str, Any]:
     """Bring the cluster up, measure ``ops`` at ``sizes`` among all ranks of ``topology``, fit; returns the profile."""
-    from .validate import cluster_for, launch_real, rank_cores
+    from .validate import cluster_for, cores_shared, launch_real
 
     say = progress or (lambda msg: None)
     if topology.world_size < 2:
         raise InputError(f"{topology.source}: calibration needs at least 2 ranks, "
                          f"the topology has {topology.world_size}")
     backend, device = _backend_for(topology, topology.world_size, "the network part")
-    cores = len(set(rank_cores(topology.world_size)))
-    if device == "cpu" and topology.world_size > cores:
+    cores = cores_shared(topology.world_size)
+    if device == "cpu" and cores:
         # Round robin then: every op's time includes ranks waiting for a core, not only the links.
         say(f"note: {topology.world_size} ranks on {cores} cores here: they share cores (round robin), so the "
             f"profile measures that sharing too; a topology of at most {cores} ranks calibrates the links alone")

@@ -133,6 +133,12 @@ def rank_cores(world: int) -> list[int]:
     return [node_cpu(r) for r in range(world)]
 
 
+def cores_shared(world: int) -> int | None:
+    """The cores ``world`` pinned ranks get here when there are fewer than ranks (round robin), else None."""
+    cores = len(set(rank_cores(world)))
+    return cores if world > cores else None
+
+
 def rank_ranges(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0-2, 5``: a 64-rank list in a line."""
     out: list[str] = []
@@ -559,8 +565,8 @@ def run_validation(
     topo = load_topology(topology_file)
     if topo.emulation.library != "gloo":
         say(f"note: {topology_file} says library {topo.emulation.library}; the real system here runs gloo")
-    cores = len(set(rank_cores(topo.world_size)))
-    if topo.world_size > cores:
+    cores = cores_shared(topo.world_size)
+    if cores:
         # Round robin then: the reference shares cores where a real cluster gives each rank its own.
         say(f"note: {topo.world_size} real ranks on {cores} cores here: the real system's ranks share cores "
             f"(round robin), so it is slower than a cluster of {topo.world_size} machines")
