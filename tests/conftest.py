@@ -36,6 +36,38 @@ def run_nbox(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     )
 
 
+def stop_nbox_when(argv: list[str], said: str, after_s: float = 1.0, env: dict[str, str] | None = None):
+    """Run nbox, send it SIGTERM ``after_s`` after its output first has a line with ``said``.
+
+    Returns its status, stdout, stderr and the seconds from the signal to its exit.
+    """
+    import signal
+    import threading
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})})
+    out: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in p.stdout:
+            out.append(line)
+            if said in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert seen.wait(180), "".join(out) + p.stderr.read()
+    time.sleep(after_s)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    err = p.stderr.read()
+    rc = p.wait(60)
+    reader.join(10)
+    return rc, "".join(out), err, time.monotonic() - t0
+
+
 def benchmark_module(name: str):
     """The script ``benchmarks/<name>.py`` loaded as a module (the benchmarks are scripts, not a package)."""
     import importlib.util

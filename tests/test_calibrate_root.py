@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch", reason="calibration runs gloo")
 
 
-from .conftest import run_nbox  # noqa: E402
-from .test_validate_root import _stop_when, leftovers  # noqa: E402
+from .conftest import run_nbox, stop_nbox_when  # noqa: E402
+from .test_validate_root import leftovers  # noqa: E402
 
 pytestmark = [
     pytest.mark.root,
@@ -104,7 +104,7 @@ def test_a_stopped_calibration_takes_down_its_cluster_and_ranks(tmp_path, monkey
     topo.write_text(TOPO.replace("{nodes: 2}", f"{{nodes: {cores + 1}}}"))
     before = leftovers(tmp_path / "state")
     # Stopped in its sweep (killed outright it left the namespaces, agent, relays and ranks behind).
-    rc, out, err = _stop_when(["calibrate", str(topo), "--profile", str(tmp_path / "p.json")], "measuring", after_s=2.0)
+    rc, out, err, _ = stop_nbox_when(["calibrate", str(topo), "--profile", str(tmp_path / "p.json")], "measuring", after_s=2.0)
     assert rc == 128 + 15 and "nbox: stopped by SIGTERM" in err, out + err
     assert leftovers(tmp_path / "state") == before and not (tmp_path / "p.json").exists()
     # More ranks than cores: the profile would time the sharing too, and calibrate says so first.

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch", reason="nbox run needs torch")
 
-from .conftest import ROOT, run_nbox  # noqa: E402
+from .conftest import ROOT, run_nbox, stop_nbox_when  # noqa: E402
 
 PY = sys.executable
 
@@ -240,25 +240,14 @@ STOPPABLE = textwrap.dedent(
 
 @pytest.mark.parametrize("kind", ["plain", "deaf"])
 def test_a_stopped_run_still_summarizes_what_ran(files, tmp_path, kind):
-    import os
-    import signal
-    import subprocess
-    import time
-
     topo, _ = files
     script = tmp_path / "stoppable.py"
     script.write_text(STOPPABLE)
     report = tmp_path / "r.json"
-    p = subprocess.Popen([PY, "-m", "neuronabox.cli", "run", str(topo), "--report", str(report), "--", PY, str(script), kind],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "COLUMNS": "200", "NBOX_STOP_GRACE": "2"})
-    for line in p.stdout:
-        if "READY" in line:
-            break
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGTERM)  # as a scheduler's time limit
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 1, out + err
+    # SIGTERM as a scheduler's time limit, once the script has run a few iterations.
+    rc, out, err, took = stop_nbox_when(["run", str(topo), "--report", str(report), "--", PY, str(script), kind], "READY",
+                                        after_s=0.0, env={"NBOX_STOP_GRACE": "2"})
+    assert rc == 1, out + err
     if kind == "plain":
         # SIGTERM passed on; the script's record is written before it dies of it: the summary of what ran.
         assert "nbox: error: the command was killed by SIGTERM" in err and "iteration time" in out, out + err
@@ -266,4 +255,4 @@ def test_a_stopped_run_still_summarizes_what_ran(files, tmp_path, kind):
     else:
         # Its own handler ignores SIGTERM: killed after NBOX_STOP_GRACE, no record.
         assert "was killed by SIGKILL; it wrote no record" in err, err
-        assert 2.0 <= time.monotonic() - t0 < 20 and not report.exists()
+        assert 2.0 <= took < 20 and not report.exists()

@@ -16,7 +16,7 @@ pytest.importorskip("torch", reason="validate trains for real")
 
 from neuronabox.cluster.netns import list_namespaces  # noqa: E402
 
-from .conftest import run_nbox  # noqa: E402
+from .conftest import run_nbox, stop_nbox_when  # noqa: E402
 
 TOPO = """name: val1g
 cluster: {nodes: 2}
@@ -121,36 +121,6 @@ def test_validate_says_when_the_real_ranks_share_cores_and_a_failed_real_system_
     assert leftovers(tmp_path / "state") == {"namespaces": [], "processes": [], "state": []}
 
 
-def _stop_when(argv: list[str], said: str, after_s: float = 1.0) -> tuple[int, str, str]:
-    """Run nbox, send it SIGTERM ``after_s`` after its output first contains ``said``; its status and output."""
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
-    p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", *argv], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    out: list[str] = []
-    seen = threading.Event()
-
-    def read() -> None:
-        for line in p.stdout:
-            out.append(line)
-            if said in line:
-                seen.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    assert seen.wait(180), "".join(out) + p.stderr.read()
-    time.sleep(after_s)
-    p.send_signal(signal.SIGTERM)
-    err = p.stderr.read()
-    rc = p.wait(60)
-    reader.join(10)
-    return rc, "".join(out), err
-
-
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, qdiscs, iptables)")
 def test_a_stopped_validate_takes_down_its_cluster_and_its_runs(files, tmp_path):
@@ -161,7 +131,7 @@ def test_a_stopped_validate_takes_down_its_cluster_and_its_runs(files, tmp_path)
     script.write_text(TINY.replace("range(8)", "range(8 if os.environ.get('NBOX_RECORD_ONLY') else 10 ** 6)")
                       .replace("import torch,", "import os, torch,"))
     before = leftovers(tmp_path / "state")
-    rc, out, err = _stop_when(["validate", str(topo), "--modes", "model", "--warmup", "2", "--repeats", "1",
+    rc, out, err, _ = stop_nbox_when(["validate", str(topo), "--modes", "model", "--warmup", "2", "--repeats", "1",
                                "--", sys.executable, str(script)], "repeat 1 real", after_s=2.0)
     assert rc == 128 + 15 and "nbox: stopped by SIGTERM" in err, out + err
     assert leftovers(tmp_path / "state") == before
