@@ -66,7 +66,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs of each system per cell, interleaved")
     p.add_argument("--steps", type=int, default=30, help="training steps per run")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of each run")
-    p.add_argument("--modes", default="model,wire")
+    p.add_argument("--modes", default="model,wire",
+                   help="comma list of model, wire, real-again (the real system rerun: the error a perfect emulator reads here)")
     p.add_argument("--calibrate-sizes", default=CALIBRATE_SIZES)
     p.add_argument("--calibrate-budget", type=float, default=CALIBRATE_BUDGET_S,
                    help="seconds of samples per size (nbox calibrate --budget): DDP's bucket sizes are noisy at 100 Mbit/s "
@@ -245,6 +246,9 @@ def write(args, rows: list[dict], modes: list[str], command: str, seconds: float
         "relay), each rank pinned to its own core. Model: rank 0 real under `nbox run`, rank 1 emulated by the `calibrated` "
         "model (profile from `nbox calibrate` on the same cluster: all-reduce and broadcast, named by the topology's "
         "`emulation.profile`). Wire: `nbox run --mode wire`. "
+        + ("Real-again (`--modes ...,real-again`): the real system run a second time in a slot of its own, interleaved "
+           "like the modes, and its error computed the same way: what a perfect emulator would read on this machine. "
+           if "real-again" in modes else "")
         + ("Load twin on: during each emulated run, rank 1 also runs as its own `nbox run` (model mode) pinned to its core, "
            "so rank 0 computes on a machine as busy as in the real system. " if twin else
            "No load twin (`--no-twin`): the emulated rank 0 has the machine to itself. ")

@@ -26,6 +26,7 @@ def test_tolerance_and_modes_parse_and_name_the_flag():
             parse_tolerance(bad)
     assert parse_modes("model,wire") == ["model", "wire"]
     assert parse_modes("wire, model,wire") == ["wire", "model"]
+    assert parse_modes("model,real-again") == ["model", "real-again"]
     for bad in ("", "model,real"):
         with pytest.raises(InputError, match="--modes"):
             parse_modes(bad)
@@ -59,6 +60,22 @@ def test_errors_verdicts_and_spread():
     json.dumps(d)
     # Only available modes gate: drop the failing one and it passes.
     assert val.Validation("t.yaml", ["python"], 2, 1, 2, 0.01, real, [model, off], spread).passed
+
+
+def test_real_again_reads_the_machines_own_error_and_never_gates():
+    real = ModeResult("real", runs=[[0.100, 0.100], [0.110, 0.110]])
+    again = ModeResult("real-again", runs=[[0.120, 0.120], [0.110, 0.110]])
+    model = ModeResult("model", runs=[[0.112, 0.112], [0.114, 0.114]])
+    compare(real, [model, again], tolerance=0.01)
+    assert again.error == pytest.approx((0.115 - 0.105) / 0.105)  # the real system 9.5 % off itself
+    assert again.interval is not None and again.verdict.startswith("the real system against itself")
+    # model is 7.6 % off: a FAIL of the gate, but no larger than the machine's own error
+    assert model.error == pytest.approx((0.113 - 0.105) / 0.105)
+    assert model.verdict.startswith("FAIL") and "within real-again's" in model.verdict
+    v = val.Validation("t.yaml", ["python"], 2, 1, 2, 0.2, real, [model, again], None)
+    compare(real, [model, again], tolerance=0.08)
+    assert v.passed  # real-again's 9.5 % is over 8 % and does not count
+    assert error_table(v)[3][0] == "real-again" and error_table(v)[3][3] == "+9.52%"
 
 
 def test_a_mode_whose_runs_failed_fails_the_validation_but_keeps_its_row():

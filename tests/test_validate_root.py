@@ -86,13 +86,19 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
     out, prof = tmp_path / "v.json", tmp_path / "here.profile.json"
     # The passing case also calibrates first, on the validation's own cluster, and emulates with that.
     calibrate = ["--calibrate", "--calibrate-ops", "all_reduce", "--profile", str(prof)] if code == 0 else []
-    r = run_nbox("validate", str(topo), "--modes", "model", "--warmup", "2", "--repeats", "2" if code == 0 else "1",
+    # The failing case also reruns the real system (real-again), which reads an error and does not gate.
+    r = run_nbox("validate", str(topo), "--modes", "model" if code == 0 else "model,real-again", "--warmup", "2",
+                 "--repeats", "2" if code == 0 else "1",
                  "--tolerance", tolerance, "--json", str(out), *calibrate, "--", sys.executable, str(script))
     assert r.returncode == code, r.stdout + r.stderr
     v = json.loads(out.read_text())
     assert v["iterations"] == 6 and v["passed"] is (code == 0)
-    real, (model,) = v["real"], v["modes"]
+    real, model, *again = v["real"], *v["modes"]
     assert model["mode"] == "model" and model["available"]
+    if code == 1:
+        (again,) = again
+        assert again["mode"] == "real-again" and len(again["runs"]) == 1 and len(again["runs"][0]) == 6
+        assert again["error"] is not None and again["verdict"].startswith("the real system against itself")
     assert all(len(run) == 6 for run in real["runs"] + model["runs"])
     assert real["median_s"] > 0 and model["median_s"] > 0 and model["error"] is not None
     print(f"\nreal {real['median_s'] * 1e3:.2f} ms, model {model['median_s'] * 1e3:.2f} ms, error {model['error']:+.2%}, "

@@ -81,7 +81,8 @@ def validate(
     warmup: int = typer.Option(1, "--warmup", help="Iterations of each run left out."),
     repeats: int = typer.Option(3, "--repeats", help="Runs of each system, interleaved."),
     tolerance: str = typer.Option("1%", "--tolerance", help="Largest |error| of the median that passes (1% or 0.01)."),
-    modes: str = typer.Option("model,wire", "--modes", help="Emulated modes to compare: model, wire."),
+    modes: str = typer.Option("model,wire", "--modes", help="Systems to compare with the real one: model, wire "
+                              "(emulated), real-again (the real system rerun: this machine's own error, an A/A floor; never gates)."),
     model: Optional[str] = typer.Option(None, "-m", "--model", help="Delay model of the emulated runs (default: the topology's)."),
     profile: Optional[Path] = typer.Option(
         None, "--profile", help="Calibration profile (nbox calibrate) over emulation.profile; selects model calibrated. "

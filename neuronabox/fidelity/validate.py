@@ -70,7 +70,10 @@ __all__ = [
     "error_table",
 ]
 
-MODES = ("model", "wire")
+# real-again: the real system a second time, interleaved like a mode; its error is this machine's
+# noise alone (an A/A comparison), the floor an emulator's error is read against. It never gates.
+AGAIN = "real-again"
+MODES = ("model", "wire", AGAIN)
 RECORD_ONLY_DIR = Path(__file__).resolve().parent / "recordonly"
 MASTER_PORT = 29517
 
@@ -464,7 +467,8 @@ class Validation:
     @property
     def passed(self) -> bool:
         """Every available mode within the tolerance."""
-        return all(m.error is not None and abs(m.error) <= self.tolerance for m in self.modes if m.available)
+        return all(m.error is not None and abs(m.error) <= self.tolerance
+                   for m in self.modes if m.available and m.mode != AGAIN)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (``--json``)."""
@@ -492,7 +496,16 @@ def compare(real: ModeResult, modes: Sequence[ModeResult], tolerance: float) -> 
     spread = None
     if len(real.run_medians_s) >= 2 and real.median_s:
         spread = (max(real.run_medians_s) - min(real.run_medians_s)) / statistics.median(real.run_medians_s)
+    again = next((m for m in modes if m.mode == AGAIN), None)
+    if again is not None:
+        _fill(again)
+        if again.median_s is not None and real.median_s:
+            again.error = (again.median_s - real.median_s) / real.median_s
+            again.interval = error_interval(real.run_medians_s, again.run_medians_s)
+        again.verdict = "the real system against itself: what a perfect emulator would read here"
     for m in modes:
+        if m is again:
+            continue
         if not m.available:
             m.verdict = "not available"
             continue
@@ -509,6 +522,8 @@ def compare(real: ModeResult, modes: Sequence[ModeResult], tolerance: float) -> 
         notes = []
         if spread is not None and abs(m.error) <= spread:
             notes.append("within the real spread")
+        if again is not None and again.error is not None and abs(m.error) <= abs(again.error):
+            notes.append(f"within {AGAIN}'s")
         lo, hi = m.interval or (m.error, m.error)
         if (lo < -tolerance or hi > tolerance) and lo <= tolerance and hi >= -tolerance:
             # The gate still follows the median; this says whether more runs could change it.
@@ -585,7 +600,7 @@ def run_validation(
     if profile is not None:
         profile = Path(profile).resolve()
     wire_ok, wire_why = wire_available()
-    results = {m: ModeResult(m, *((True, "") if m == "model" else (wire_ok, wire_why))) for m in modes}
+    results = {m: ModeResult(m, *((wire_ok, wire_why) if m == "wire" else (True, ""))) for m in modes}
     real = ModeResult("real")
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -620,24 +635,13 @@ def run_validation(
                 runs += 1
                 rec = tmp / f"{system}-{rep}.json"
                 t0 = time.perf_counter()
-                if system == "real":
-                    rc, codes = launch_real(up.name, topo, command, rec, log_dir=_sub(logs, f"real-{rep}"),
-                                            record_rank=real_rank)
-                    if rc != 0 and _teardown_abort_only(codes, real_rank, rec):
-                        # gloo sometimes aborts a rank in destroy_process_group after the last
-                        # iteration (peer already gone); the record was written before teardown.
-                        say(f"[{runs}] repeat {rep + 1} real: a rank aborted at teardown (exit codes {codes}); "
-                            "its iterations were complete")
-                        rc = 0
-                    if rc != 0:
-                        bad = next(i for i, c in enumerate(codes) if c != 0)
-                        log = logs / f"real-{rep}" / f"rank{bad}.log"
-                        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-                        where = f" (logs in {log.parent})" if keep_logs else ""
-                        raise RunFailed(f"the real system failed (exit status {exit_codes_text(codes)}); rank {bad}: "
-                                        f"{(tail or ['(no output)'])[0]}{where}")
-                    its = json.loads(rec.read_text())["iterations"] if rec.exists() else []
-                    real.runs.append(_measured(its, warmup, iterations, "real system"))
+                if system in ("real", AGAIN):
+                    # real-again is the reference rerun in a slot of its own: the error it reads is
+                    # this machine's noise alone, what a perfect emulator would read.
+                    its = _run_real(up.name, topo, command, rec, logs, f"{system}-{rep}", real_rank, keep_logs, say,
+                                    f"[{runs}] repeat {rep + 1} {system}")
+                    (real if system == "real" else results[system]).runs.append(
+                        _measured(its, warmup, iterations, "real system"))
                     real_walls.append(time.perf_counter() - t0)
                 else:
                     log = logs / f"{system}-{rep}.log"
@@ -670,6 +674,25 @@ def run_validation(
         profile=effective.emulation.profile if effective.emulation.model == "calibrated" else None,
         seconds=time.perf_counter() - t_start, twin_ranks=[r for r, _ in twins],
     )
+
+
+def _run_real(cluster: str, topo, command: Sequence[str], rec: Path, logs: Path, label: str, real_rank: int,
+              keep_logs: Path | None, say, where: str) -> list[float]:
+    """One run of the real system on ``cluster``; the recorded rank's iteration times."""
+    rc, codes = launch_real(cluster, topo, command, rec, log_dir=_sub(logs, label), record_rank=real_rank)
+    if rc != 0 and _teardown_abort_only(codes, real_rank, rec):
+        # gloo sometimes aborts a rank in destroy_process_group after the last
+        # iteration (peer already gone); the record was written before teardown.
+        say(f"{where}: a rank aborted at teardown (exit codes {codes}); its iterations were complete")
+        rc = 0
+    if rc != 0:
+        bad = next(i for i, c in enumerate(codes) if c != 0)
+        log = logs / label / f"rank{bad}.log"
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+        place = f" (logs in {log.parent})" if keep_logs else ""
+        raise RunFailed(f"the real system failed (exit status {exit_codes_text(codes)}); rank {bad}: "
+                        f"{(tail or ['(no output)'])[0]}{place}")
+    return json.loads(rec.read_text())["iterations"] if rec.exists() else []
 
 
 def _calibrate_here(topo, cluster: str, ops: Sequence, out: Path | None, folder: Path, say) -> Path:
