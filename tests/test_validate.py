@@ -73,8 +73,11 @@ def test_real_again_reads_the_machines_own_error_and_never_gates():
     assert model.error == pytest.approx((0.113 - 0.105) / 0.105)
     assert model.verdict.startswith("FAIL") and "within real-again's" in model.verdict
     v = val.Validation("t.yaml", ["python"], 2, 1, 2, 0.2, real, [model, again], None)
-    compare(real, [model, again], tolerance=0.08)
+    assert v.passed and v.floor_note() is None
+    v.tolerance = 0.08
     assert v.passed  # real-again's 9.5 % is over 8 % and does not count
+    assert v.floor_note() == ("real-again: the real system read +9.52% against itself, past the tolerance 8.00%: "
+                              "on this machine these runs cannot show an emulator within it")
     assert error_table(v)[3][0] == "real-again" and error_table(v)[3][3] == "+9.52%"
 
 

@@ -99,6 +99,8 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
         (again,) = again
         assert again["mode"] == "real-again" and len(again["runs"]) == 1 and len(again["runs"][0]) == 6
         assert again["error"] is not None and again["verdict"].startswith("the real system against itself")
+        # past the 0% tolerance against itself: said under the table
+        assert ("real-again: the real system read" in r.stdout) is (again["error"] != 0)
     assert all(len(run) == 6 for run in real["runs"] + model["runs"])
     assert real["median_s"] > 0 and model["median_s"] > 0 and model["error"] is not None
     print(f"\nreal {real['median_s'] * 1e3:.2f} ms, model {model['median_s'] * 1e3:.2f} ms, error {model['error']:+.2%}, "

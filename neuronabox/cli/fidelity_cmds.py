@@ -141,6 +141,8 @@ def validate(
     console.print(t)
     if any(UNDECIDED in m.verdict for m in v.modes):
         console.print(UNDECIDED_WHY)
+    if v.floor_note():
+        console.print(v.floor_note(), style="yellow", highlight=False)
     if json_out:
         json_out.write_text(json.dumps(v.as_dict(), indent=2) + "\n", encoding="utf-8")
         console.print(f"wrote {json_out}")

@@ -470,6 +470,14 @@ class Validation:
         return all(m.error is not None and abs(m.error) <= self.tolerance
                    for m in self.modes if m.available and m.mode != AGAIN)
 
+    def floor_note(self) -> str | None:
+        """A line when the real system missed the tolerance against itself (real-again), else None."""
+        again = next((m for m in self.modes if m.mode == AGAIN and m.error is not None), None)
+        if again is None or abs(again.error) <= self.tolerance:
+            return None
+        return (f"{AGAIN}: the real system read {again.error:+.2%} against itself, past the tolerance "
+                f"{self.tolerance:.2%}: on this machine these runs cannot show an emulator within it")
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (``--json``)."""
         d = asdict(self)
