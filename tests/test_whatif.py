@@ -154,7 +154,10 @@ def test_a_stopped_sweep_keeps_the_points_that_ran(tmp_path, sig):
     script.write_text(SLOW_POINT)
     p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", "whatif", str(topo), "--sweep", "inject.all_reduce=0ms,1ms,2ms",
                           "-o", str(out), "--", sys.executable, str(script), str(starts), "12"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         # Ctrl-C reaches a terminal's foreground job; a suite run as a background
+                         # job (`make test &`) hands its children SIGINT ignored, and Python keeps that.
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not starts.exists() or starts.read_text().count("start") < 2):
         time.sleep(0.05)  # the second point's run has begun: the first one finished
