@@ -44,7 +44,7 @@ bench: venv
 # together, as pydantic pins pydantic-core; pytest's for Python 3.10 named, as pip download reads
 # dependency markers for the Python it runs on), for CPython 3.10-3.13 on x86_64 Linux. It travels
 # with the run (carry .gpu-kit).
-GPU_KIT_WHEELS := pydantic PyYAML Jinja2 networkx typer rich prometheus-client psutil pyroute2 nvidia-ml-py pytest \
+GPU_KIT_WHEELS := pydantic PyYAML Jinja2 networkx typer rich prometheus-client psutil pyroute2 wrapt nvidia-ml-py pytest \
 	exceptiongroup tomli
 gpu-kit:
 	rm -rf .gpu-kit && mkdir -p .gpu-kit/wheels

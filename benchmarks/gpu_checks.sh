@@ -30,7 +30,7 @@ need=(pydantic:pydantic pydantic_core:pydantic-core typing_extensions:typing-ext
       typing_inspection:typing-inspection yaml:PyYAML jinja2:Jinja2 markupsafe:MarkupSafe networkx:networkx
       typer:typer shellingham:shellingham rich:rich markdown_it:markdown-it-py mdurl:mdurl
       pygments:Pygments annotated_doc:annotated-doc prometheus_client:prometheus-client psutil:psutil
-      pyroute2:pyroute2 pynvml:nvidia-ml-py pytest:pytest pluggy:pluggy iniconfig:iniconfig packaging:packaging
+      pyroute2:pyroute2 wrapt:wrapt pynvml:nvidia-ml-py pytest:pytest pluggy:pluggy iniconfig:iniconfig packaging:packaging
       exceptiongroup:exceptiongroup tomli:tomli)
 missing=()
 for pair in "${need[@]}"; do

@@ -142,6 +142,33 @@ def test_failing_command_exits_1_and_bad_input_exits_2(files, tmp_path):
     assert r.returncode == 0 and "nothing was emulated" in r.stdout
 
 
+LATE_DTENSOR = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    dist.init_process_group()
+    print("dtensor loaded by init:", "torch.distributed.tensor" in sys.modules)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    full = torch.arange(16.0).reshape(8, 2)
+    d = distribute_tensor(full, init_device_mesh("cpu", (8,)), [Shard(0)])
+    print("our shard:", torch.equal(d.to_local(), full[3:4]))
+    """
+)
+
+
+def test_the_backend_comes_with_torch_and_the_dtensor_patch_with_dtensor(files, tmp_path):
+    """A Python of the run pays torch's and DTensor's start-up only when it imports them itself."""
+    topo, _ = files
+    r = run_nbox("run", str(topo), "--", PY, "-c", "import sys; print('torch loaded:', 'torch' in sys.modules)")
+    assert r.returncode == 0 and "torch loaded: False" in r.stdout, r.stdout + r.stderr
+    script = tmp_path / "late_dtensor.py"
+    script.write_text(LATE_DTENSOR)
+    # Rank 3 is not the mesh's root: its shard is right only if the scatter is mirrored (launch.py).
+    r = run_nbox("run", str(topo), "--rank", "3", "--", PY, str(script))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dtensor loaded by init: False" in r.stdout and "our shard: True" in r.stdout, r.stdout
+
+
 def test_a_script_that_exits_with_ops_in_flight_exits_cleanly(files, tmp_path):
     """Futures still pending at exit: the waker thread must not be killed inside torch's C++ (SIGABRT)."""
     topo, _ = files

@@ -25,6 +25,8 @@ import uuid
 import weakref
 from pathlib import Path
 
+import wrapt
+
 from ..topology import Topology
 from .emulator import ENV_REAL_RANK, current
 
@@ -173,7 +175,6 @@ def install() -> None:
             a["group_src"] = pg.rank()
         return original_bcast_objects(*bound.args, **bound.kwargs)
 
-    _patch_dtensor_scatter(NboxProcessGroup)
     _patch(c10d, "broadcast_object_list", broadcast_object_list)
     _patch(dist, "broadcast_object_list", broadcast_object_list)
     _patch(c10d, "init_process_group", init_process_group)
@@ -187,6 +188,7 @@ def install() -> None:
         _patch(device_mesh, "init_process_group", init_process_group)
     except ImportError:
         pass
+    _patch_dtensor_scatter(NboxProcessGroup)  # after the patches above: installed() is what its hook checks
 
     first_optimizer: list[weakref.ref] = []
 
@@ -209,13 +211,18 @@ def _patch_dtensor_scatter(group_class) -> None:
     # DTensor's distribute_tensor splits the full tensor on every rank, then scatters the
     # pieces from mesh coordinate 0 into torch.empty_like buffers. From an emulated root our
     # scatter would leave those uninitialized; mirror semantics says the root's pieces are the
-    # ones we split, so scatter from ourselves. (placement_types imported mesh_scatter by name.)
-    try:
-        import torch.distributed.tensor._collective_utils as cu
-        import torch.distributed.tensor.placement_types as pt
-    except ImportError:
+    # ones we split, so scatter from ourselves. Importing DTensor costs 1.8 s of start-up on a
+    # 2-core machine and DDP never does, so the patch waits until the script imports it.
+    wrapt.register_post_import_hook(functools.partial(_patch_mesh_scatter, group_class), "torch.distributed.tensor")
+
+
+def _patch_mesh_scatter(group_class, _tensor_package) -> None:
+    if not installed():  # a hook left from an install that was undone before DTensor came
         return
-    original = cu.mesh_scatter
+    import torch.distributed.tensor._collective_utils as cu
+    import torch.distributed.tensor.placement_types as pt
+
+    original = _originals.get((cu, "mesh_scatter"), cu.mesh_scatter)
     sig = inspect.signature(original)
 
     @functools.wraps(original)
@@ -229,6 +236,7 @@ def _patch_dtensor_scatter(group_class) -> None:
                 a["group_src"] = pg.rank()
         return original(*bound.args, **bound.kwargs)
 
+    # placement_types imported mesh_scatter by name
     _patch(cu, "mesh_scatter", mesh_scatter)
     _patch(pt, "mesh_scatter", mesh_scatter)
 
@@ -273,17 +281,23 @@ def run_script(argv: list[str]) -> None:
 
 
 def autostart() -> None:
-    """Install the backend in a process started by ``nbox run`` and write its record at exit."""
+    """Install the backend in a process started by ``nbox run`` once it imports torch; write its record at exit."""
     import atexit
 
-    from ..metrics import start_from_env
-
-    install()
-    start_from_env()  # the Prometheus exporter (NBOX_METRICS_ADDR) and the progress file, when asked for
+    # Importing torch costs 2.5-3 s of start-up on a 2-core machine: a process of the run that
+    # never imports it (a wrapper, a tool the script spawns) should not pay that.
+    wrapt.register_post_import_hook(_start_emulating, "torch")
     out = os.environ.get("NBOX_RECORD")
     if out:
         atexit.register(_write_record, out)
         _record_on_sigterm(out)
+
+
+def _start_emulating(_torch) -> None:
+    from ..metrics import start_from_env
+
+    install()
+    start_from_env()  # the Prometheus exporter (NBOX_METRICS_ADDR) and the progress file, when asked for
 
 
 def _record_on_sigterm(path: str) -> None:

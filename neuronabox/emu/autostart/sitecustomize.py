@@ -2,7 +2,8 @@
 
 Python imports ``sitecustomize`` at start-up, so any Python process of the run (``python
 train.py``, ``python -m pkg``, a wrapper script that execs Python) gets the nbox backend
-installed before the user's code imports torch.distributed — with no change to the script.
+installed as torch is imported, before the user's code can use torch.distributed — with no
+change to the script (a Python process of the run that never imports torch pays nothing).
 A ``sitecustomize`` that this one shadows is still run afterwards.
 """
 
@@ -37,9 +38,11 @@ if os.environ.get("NBOX_TOPOLOGY"):
             sys.stderr.write(f"{exc}\n")
             sys.stderr.flush()
             os._exit(1)  # SystemExit here is a "Fatal Python error" of site.py
-        try:
-            autostart()
-        except ImportError as exc:  # neuronabox on the path of a Python without torch (or another dependency)
-            sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load {exc.name or 'a dependency'} ({exc}); "
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:  # neuronabox on the path of a Python without torch
+            sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load torch; "
                              "nothing is emulated in it: run the command with the Python that has nbox and torch\n")
+        else:
+            autostart()  # the backend is installed when the process imports torch
 _chain_shadowed_sitecustomize()
