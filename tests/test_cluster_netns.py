@@ -302,6 +302,14 @@ def test_shaped_link_throughput_within_10_percent(pair, mbit):
     assert abs(got / rate - 1) <= 0.10
 
 
+# The user-space delay path's own latency, beside the hold it adds: a chunk or packet held waits
+# for a timer's wake-up, which a busy 2-core host makes late, while the base (nothing held) pays
+# none of it. A faster instance of the 2-core machine read the added one-way delay within 40-115
+# us; a slower one, in a full suite, read a base ping round trip of 1.0-1.26 ms against 0.6, a 1 ms
+# hold adding 0.65-0.82 ms a way to pings and 1.24 ms to a TCP echo through the relay (CI).
+QUEUE_SLACK_S = 400e-6
+
+
 def echo_rtt(a: dict, b: dict, rounds: int = 40) -> tuple[float, float]:
     """Median TCP connect time and median 1-byte echo round trip from a to b."""
     srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -355,7 +363,7 @@ def test_user_space_delay_adds_the_set_delay(pair):
         added = (rtt - base) / 2
         print(f"\ndelay {delay * 1e3:g} ms: echo RTT {rtt * 1e3:.3f} ms (base {base * 1e3:.3f}), added one-way "
               f"{added * 1e3:.3f} ms, error {(added - delay) * 1e6:+.0f} us; connect+first echo {first * 1e3:.3f} ms")
-        assert abs(added - delay) <= 0.10 * delay + 100e-6
+        assert abs(added - delay) <= 0.10 * delay + QUEUE_SLACK_S
         assert first >= 2 * delay
     call("/links/node0:0--switch", {"delay": 0})
 
@@ -398,11 +406,6 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-# The user-space queue's own latency, beside the hold it adds: a faster instance of the 2-core
-# machine read the added one-way delay within 40-115 us; a slower one, in a full suite, read a base
-# round trip (nothing held) of 1.0-1.26 ms against 0.6, and a 1 ms hold added 0.65-0.82 ms a way
-# (part of the queue's own latency falls inside a hold), 5 ms within 15 us.
-QUEUE_SLACK_S = 400e-6
 
 
 def low(xs: list[float]) -> float:
