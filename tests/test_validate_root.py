@@ -87,14 +87,17 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
     # The passing case also calibrates first, on the validation's own cluster, and emulates with that.
     calibrate = ["--calibrate", "--calibrate-ops", "all_reduce", "--profile", str(prof)] if code == 0 else []
     # The failing case also reruns the real system (real-again), which reads an error and does not gate.
+    # It also runs without the load twin (the passing case has it, as by default).
+    no_twin = ["--no-twin"] if code == 1 else []
     r = run_nbox("validate", str(topo), "--modes", "model" if code == 0 else "model,real-again", "--warmup", "2",
-                 "--repeats", "2" if code == 0 else "1",
+                 "--repeats", "2" if code == 0 else "1", *no_twin,
                  "--tolerance", tolerance, "--json", str(out), *calibrate, "--", sys.executable, str(script))
     assert r.returncode == code, r.stdout + r.stderr
     v = json.loads(out.read_text())
     assert v["iterations"] == 6 and v["passed"] is (code == 0)
     real, model, *again = v["real"], *v["modes"]
     assert model["mode"] == "model" and model["available"]
+    assert (v["twin_ranks"] == []) is (code == 1) and ("load twin: rank" in r.stdout) is (code == 0)
     if code == 1:
         (again,) = again
         assert again["mode"] == "real-again" and len(again["runs"]) == 1 and len(again["runs"][0]) == 6
