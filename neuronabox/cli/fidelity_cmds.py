@@ -93,6 +93,9 @@ def validate(
         "dropped at the end)."),
     calibrate_ops: str = typer.Option(
         "all", "--calibrate-ops", help="With --calibrate: comma list of collectives to measure, or all (what gloo runs)."),
+    calibrate_sizes: str = typer.Option(
+        DEFAULT_SIZES, "--calibrate-sizes", help="With --calibrate: MIN:MAX message sizes (nbox calibrate --sizes); the "
+        "largest the job sends is enough (DDP's buckets: 25 MiB by default)."),
     twin: bool = typer.Option(
         True, "--twin/--no-twin",
         help="Load twin (default on): during each emulated run, every other rank of the real system runs as its own "
@@ -115,21 +118,25 @@ def validate(
 
     from rich.table import Table
 
-    from ..fidelity.calibrate import parse_ops
+    from ..fidelity.calibrate import parse_ops, parse_size_range
     from ..fidelity.validate import UNDECIDED, UNDECIDED_WHY, error_table, parse_modes, parse_tolerance, run_validation
 
     tol = parse_tolerance(tolerance)
     mode_list = parse_modes(modes)
     if calibrate_ops != "all" and not calibrate:
         raise InputError("--calibrate-ops: only read with --calibrate")
+    if calibrate_sizes != DEFAULT_SIZES and not calibrate:
+        raise InputError("--calibrate-sizes: only read with --calibrate")
     cal_ops = parse_ops(calibrate_ops, "--calibrate-ops") if calibrate else None
+    cal_sizes = parse_size_range(calibrate_sizes, "--calibrate-sizes")
     if not command:
         raise InputError("nbox validate: no command to run (usage: nbox validate TOPOLOGY [OPTIONS] -- python train.py ARGS)")
     if not topology.is_file():
         raise InputError(f"{topology}: no such topology file")
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
-                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops)
+                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops,
+                       calibrate_sizes=cal_sizes)
     rows = error_table(v)
     twin_note = f", load twin rank(s) {','.join(map(str, v.twin_ranks))}" if v.twin_ranks else ", no load twin"
     t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "

@@ -44,7 +44,7 @@ CALIBRATABLE = (
 
 
 # ---- options ------------------------------------------------------------------------------------------
-def parse_size_range(text: str) -> tuple[int, int]:
+def parse_size_range(text: str, flag: str = "--sizes") -> tuple[int, int]:
     """``4B:256MiB`` -> (4, 268435456); errors name the flag."""
     from ..units import UnitError, parse_size
 
@@ -52,9 +52,9 @@ def parse_size_range(text: str) -> tuple[int, int]:
     try:
         a, b = parse_size(lo.strip()), parse_size(hi.strip()) if sep else parse_size(lo.strip())
     except UnitError as exc:
-        raise InputError(f"--sizes: {exc}") from None
+        raise InputError(f"{flag}: {exc}") from None
     if not 1 <= a <= b:
-        raise InputError(f"--sizes: expected MIN:MAX with 1 <= MIN <= MAX (e.g. 4B:256MiB), got {text!r}")
+        raise InputError(f"{flag}: expected MIN:MAX with 1 <= MIN <= MAX (e.g. 4B:256MiB), got {text!r}")
     return a, b
 
 

@@ -563,12 +563,14 @@ def run_validation(
     keep_logs: Path | None = None,
     twin: bool = True,
     calibrate_ops: Sequence | None = None,
+    calibrate_sizes: tuple[int, int] | None = None,
 ) -> Validation:
     """Run the real and the emulated systems interleaved ``repeats`` times and compare their iteration times.
 
     ``twin``: run the load twin beside every emulated run (see the module's notes); turn it off
     when the real system's ranks do not share one machine. ``calibrate_ops``: first calibrate
-    these collectives on the validation's own cluster (``nbox calibrate``'s sweep) and run the
+    these collectives (at sizes ``calibrate_sizes``, MIN and MAX, else calibrate's default) on
+    the validation's own cluster (``nbox calibrate``'s sweep) and run the
     emulated systems on that profile, written to ``profile`` (else to ``keep_logs``, else dropped).
     """
     from ..model.calibrated import with_profile
@@ -620,7 +622,7 @@ def run_validation(
         if calibrate_ops:
             # On the cluster the runs use, right before them: a profile measured minutes or a
             # cluster instance earlier reads this machine's state then (README, "Fidelity on one machine").
-            profile = _calibrate_here(topo, up.name, calibrate_ops, calibrated_to, keep_logs or tmp, say)
+            profile = _calibrate_here(topo, up.name, calibrate_ops, calibrate_sizes, calibrated_to, keep_logs or tmp, say)
             effective = with_profile(topo, profile, None)
         # The emulated run's real rank gets the core that rank had in the real system.
         real_rank = topo.emulation.real_ranks[0]
@@ -703,13 +705,15 @@ def _run_real(cluster: str, topo, command: Sequence[str], rec: Path, logs: Path,
     return json.loads(rec.read_text())["iterations"] if rec.exists() else []
 
 
-def _calibrate_here(topo, cluster: str, ops: Sequence, out: Path | None, folder: Path, say) -> Path:
+def _calibrate_here(topo, cluster: str, ops: Sequence, sizes: tuple[int, int] | None, out: Path | None, folder: Path,
+                    say) -> Path:
     """``nbox calibrate``'s network sweep of ``ops`` on ``cluster``; the profile's path (``out``, else in ``folder``)."""
     from .calibrate import DEFAULT_SIZES, default_sizes, parse_size_range, run_calibration
     from .profile import save_profile
 
     say(f"calibrating {', '.join(o.value for o in ops)} on this cluster")
-    doc = run_calibration(topo, ops, default_sizes(*parse_size_range(DEFAULT_SIZES)), cluster=cluster, progress=say)
+    doc = run_calibration(topo, ops, default_sizes(*(sizes or parse_size_range(DEFAULT_SIZES))), cluster=cluster,
+                          progress=say)
     path = Path(out if out is not None else folder / "profile.json").resolve()
     save_profile(doc, path)
     say(f"calibrated in {doc['meta']['seconds']:.0f} s: {path}")
