@@ -406,8 +406,6 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-
-
 def low(xs: list[float]) -> float:
     """The 20th percentile: a delay adds to every packet, while a busy host only ever adds more."""
     return sorted(xs)[len(xs) // 5]

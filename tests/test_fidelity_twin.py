@@ -80,10 +80,14 @@ def test_each_emulated_run_has_its_twin_running_beside_it_pinned_to_the_other_co
     assert all(n["cores"] == [cores[0]] for n in measured)
     assert v["twin_ranks"] == [1] and "load twin: rank(s) 1 run beside each emulated run" in r.stdout
     assert len(twins) == 2 and all(n["cores"] == [cores[1]] for n in twins)
+    # Each twin trained while its measured rank trained: they meet when their process groups
+    # exist and the twin waits for the measured rank at the end of its first iteration, so it
+    # neither leaves the measured rank's last steps to an idle machine nor lags behind them.
     for m in measured:
         t = min(twins, key=lambda n: abs(n["start"] - m["start"]))
         shared = min(m["end"], t["end"]) - max(m["start"], t["start"])
         assert shared > 0.9 * (m["end"] - m["start"]), (m, t)
+        # Beside a wire-mode run the bytes really move: the twin spends no footprint of its own.
         assert t["footprint"] == ("0" if m["wire"] else None), (m, t)
     assert sorted(m["wire"] for m in measured) == [False, True]
 
