@@ -189,8 +189,13 @@ def test_ring_all_reduce_schedule():
     assert all(s.dst == (s.src + 1) % n for s in steps)
 
 
-def test_cached_estimates_repeat_the_first(multi):
+def test_repeated_estimates_come_from_the_groups_cached_tables(multi, monkeypatch):
     # How many a second is a benchmark's figure (benchmarks/model_speed.py, `make bench`), not a test's.
     group = Group(range(32))
     first = multi.estimate(Op.ALL_REDUCE, 1 << 20, group)
+
+    def derived_again(*args):
+        raise AssertionError("the group's tables were derived again")
+
+    monkeypatch.setattr(multi, "_derive", derived_again)
     assert all(multi.estimate(Op.ALL_REDUCE, 1 << 20, group).duration == first.duration for _ in range(1000))
