@@ -128,15 +128,14 @@ def validate(
     if calibrate_sizes != DEFAULT_SIZES and not calibrate:
         raise InputError("--calibrate-sizes: only read with --calibrate")
     cal_ops = parse_ops(calibrate_ops, "--calibrate-ops") if calibrate else None
-    cal_sizes = parse_size_range(calibrate_sizes, "--calibrate-sizes")
+    cal_sizes = parse_size_range(calibrate_sizes, "--calibrate-sizes") if calibrate else None
     if not command:
         raise InputError("nbox validate: no command to run (usage: nbox validate TOPOLOGY [OPTIONS] -- python train.py ARGS)")
     if not topology.is_file():
         raise InputError(f"{topology}: no such topology file")
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
-                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops,
-                       calibrate_sizes=cal_sizes)
+                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes)
     rows = error_table(v)
     twin_note = f", load twin rank(s) {','.join(map(str, v.twin_ranks))}" if v.twin_ranks else ", no load twin"
     t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "
