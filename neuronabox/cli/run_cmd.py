@@ -51,6 +51,9 @@ def run(
     rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="c10d or static (torchrun's default)."),
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="The job id every node passes alike."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="Restarts of the worker group after a failure."),
+    role_profile: Optional[Path] = typer.Option(
+        None, "--role-profile", help="Replay the other roles' programs from this folder (nbox profile)."
+    ),
 ) -> None:
     """Run a training command as the real rank of TOPOLOGY; the rest of the cluster is emulated."""
     from ..emu.runner import describe_exit, run_command
@@ -84,6 +87,14 @@ def run(
     if launch.elastic() and rank is not None:
         raise InputError("--rank: picks the one real rank; with --nproc-per-node/--nnodes the real ranks are the "
                          "topology's emulation.real_ranks or the first K ranks of the first N nodes")
+    if role_profile is not None:
+        from ..emu.profiling import replay_env
+
+        if launch.elastic():
+            raise InputError("--role-profile: replay runs with one real rank; the others follow their roles' programs")
+        if mode != "model":
+            raise InputError("--role-profile: replay runs in model mode (--mode model)")
+        extra_env.update(replay_env(role_profile, topo, command or [], [real]))
     with RunProgress(console, enabled=False if quiet else None):
         if launch.elastic():
             from ..emu.runner import run_real_ranks

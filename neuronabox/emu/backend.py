@@ -37,9 +37,13 @@ from ..collectives import Op
 from ..model.base import Group
 from . import cuda_wait, start_gate
 from .emulator import Emulator, current
+from .group_table import TABLE
 from .timeline import OpRecord, Timeline, clock, sleep_until, tune_thread_timer_slack
 
-__all__ = ["BACKEND_NAME", "NboxProcessGroup", "NboxWork", "register", "create_process_group", "UnsupportedCollective"]
+__all__ = [
+    "BACKEND_NAME", "NboxProcessGroup", "NboxWork", "ReplayedWork", "register", "create_process_group",
+    "UnsupportedCollective",
+]
 
 BACKEND_NAME = "nbox"
 
@@ -157,6 +161,16 @@ class NboxWork(dist.Work):
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
             return True
+        roles = self._emu.role_recorder
+        if roles is not None:  # a profiling run: the wait is not the role's compute
+            roles.wait_begins(self._rec)
+            try:
+                return self._wait(timeout)
+            finally:
+                roles.wait_ends()
+        return self._wait(timeout)
+
+    def _wait(self, timeout: datetime.timedelta | None) -> bool:
         if self._done:
             return True
         rec = self._rec
@@ -270,12 +284,56 @@ def _cuda_future(event, device: torch.device, result) -> torch.futures.Future:
     return fut
 
 
+class ReplayedWork(NboxWork):
+    """An op shared with a replayed rank of another role (replay.py): its end may be known only after later calls."""
+
+    def __init__(self, record: OpRecord, result, emulator: Emulator, instance, source_rank: int = -1):
+        super().__init__(record, result, emulator, source_rank=source_rank)
+        self._inst = instance
+
+    def _wait(self, timeout: datetime.timedelta | None) -> bool:
+        if self._done:
+            return True
+        # The real rank makes no further call while it waits: whatever the op needs is known now.
+        self._emu.replay.settle(self._inst, force=True)
+        rec = self._rec
+        now = clock()
+        if now < rec.end:
+            tune_thread_timer_slack()
+            sleep_until(rec.end)
+            after = clock()
+            rec.wait += after - now
+            rec.completed = after
+        elif rec.completed is None:
+            rec.completed = now
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the op's end is known and has passed."""
+        return self._done or (self._emu.replay.settle(self._inst, force=False) and clock() >= self._rec.end)
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed at the op's end, once a later call of the real rank has fixed it."""
+        if self._future is None:
+            fut = self._future = torch.futures.Future()
+            rec, result, waker = self._rec, self._result, self._emu.waker
+
+            def complete(now: float) -> None:
+                if rec.completed is None:
+                    rec.completed = now
+                fut.set_result(result)
+
+            self._emu.replay.when_resolved(self._inst, lambda end: waker.at(end, complete))
+        return self._future
+
+
 class _GroupWork(NboxWork):
     """The works issued between ``start_coalescing`` and ``end_coalescing``: done when all are."""
 
     def __init__(self, works: list[NboxWork], emulator: Emulator):
         # Hybrid works (hybrid.py) complete when their real part is done too; device-timed ones learn their end later.
-        self._hybrid = any(hasattr(w, "hybrid") for w in works)
+        self._hybrid = any(hasattr(w, "hybrid") or isinstance(w, ReplayedWork) for w in works)
         if self._hybrid or any(w._event is not None for w in works):
             last = works[-1]  # device-timed: the last one issued (same stream, FIFO) ends last
         else:
@@ -330,6 +388,15 @@ class NboxProcessGroup(dist.ProcessGroup):
         self.global_ranks: tuple[int, ...] = tuple(global_ranks)
         self.group = Group(self.global_ranks)
         self.timeline: Timeline = emulator.new_timeline(self.group)
+        # Roles (roles.py): which group of the script this is, and whether its ops replay other roles.
+        index = TABLE.creating if TABLE.creating is not None and TABLE.groups[TABLE.creating] == self.global_ranks \
+            else TABLE.add(self.global_ranks)
+        self.table_index = index
+        me = self.global_ranks[rank]
+        self.ordinal = TABLE.ordinal(index, me)
+        replay = emulator.replay
+        self._replay = replay if replay is not None and replay.involves_actor(self.global_ranks) else None
+        self._record_roles = emulator.role_recorder
         self._p2p: dict[int, Timeline] = {}
         self._sent: dict[tuple, torch.Tensor] = {}
         self._coalescing: list[NboxWork] | None = None
@@ -380,9 +447,14 @@ class NboxProcessGroup(dist.ProcessGroup):
         root: int = 0,
         timeline: Timeline | None = None,
         source_rank: int = -1,
+        peer: int = -1,
+        send: bool = False,
     ) -> NboxWork:
         tl = timeline if timeline is not None else self.timeline
         device = tensors[0].device if tensors else _CPU
+        if self._replay is not None and device.type == "cpu" and (peer < 0 or self._replay.involves_actor(
+                (self.global_ranks[peer],))):
+            return self._replayed(op, nbytes, root, tl, mirror, result, peer, send, source_rank)
         if self._wire is not None and self._n > 1:  # wire mode hook: this op has no wire path; say so once
             self._wire.fallback(op.value if device.type == "cpu" else f"{op.value} on {device.type}")
         if device.type == "cuda":
@@ -395,9 +467,22 @@ class NboxProcessGroup(dist.ProcessGroup):
                     self._emu.recorder.ops.remove(rec)  # scheduled again on the host below
             _cuda_fallback(device)
         rec = tl.schedule(op, nbytes, root)
+        if self._record_roles is not None:
+            self._record_roles.op(self.ordinal, op, nbytes, peer if peer >= 0 else root, send, rec)
         if mirror is not None:
             _no_grad_call(mirror)
         return self._track(NboxWork(rec, result, self._emu, source_rank=source_rank))
+
+    def _replayed(self, op, nbytes, root, tl, mirror, result, peer, send, source_rank) -> NboxWork:
+        # An op shared with a rank of another role: it starts when that rank's recorded program gets there.
+        now = clock()
+        rec = tl._record(op, nbytes, root, now)
+        rec.ready = now
+        self._emu.recorder.add(rec)
+        inst = self._replay.real_op(self.table_index, op, rec, self.global_ranks[peer] if peer >= 0 else -1, send)
+        if mirror is not None:
+            _no_grad_call(mirror)
+        return self._track(ReplayedWork(rec, result, self._emu, inst, source_rank))
 
     def _real(self, tensor: torch.Tensor | None = None):
         """The hybrid rules for ``tensor``'s device (gloo for CPU, NCCL for CUDA)."""
@@ -714,7 +799,7 @@ class NboxProcessGroup(dist.ProcessGroup):
                 self._sent[key] = t.detach().clone()
         tl = self._p2p_timeline(dst_rank)
         root = 0 if self.global_ranks[self._me] < self.global_ranks[dst_rank] else 1
-        return self._issue(Op.SEND_RECV, _nbytes(tensors), tensors, None, tensors, root, tl)
+        return self._issue(Op.SEND_RECV, _nbytes(tensors), tensors, None, tensors, root, tl, peer=dst_rank, send=True)
 
     def recv(self, tensors, src_rank, tag=0):
         """Receive from an emulated peer: the last sent tensor of the same shape, dtype and device, else zeros."""
@@ -745,7 +830,7 @@ class NboxProcessGroup(dist.ProcessGroup):
 
         tl = self._p2p_timeline(src)
         root = 0 if self.global_ranks[src] < self.global_ranks[self._me] else 1
-        return self._issue(Op.SEND_RECV, _nbytes(tensors), tensors, mirror, tensors, root, tl, source_rank)
+        return self._issue(Op.SEND_RECV, _nbytes(tensors), tensors, mirror, tensors, root, tl, source_rank, peer=src)
 
     # --- barriers and coalescing ----------------------------------------------------------------
 
@@ -759,6 +844,8 @@ class NboxProcessGroup(dist.ProcessGroup):
             return self._track(self._real().barrier(self))
         if self._wire is not None and (w := self._wire.barrier(self)) is not None:  # wire mode hook
             return self._track(w)
+        if self._replay is not None or self._record_roles is not None:
+            return self._issue(Op.BARRIER, 0, [], None, [])
         rec = self.timeline.schedule(Op.BARRIER, 0)
         return self._track(NboxWork(rec, [], self._emu))
 
@@ -830,6 +917,8 @@ def create_process_group(dist_opts, backend_opts=None) -> NboxProcessGroup:
     if not ranks or max(ranks) >= emu.world_size:
         raise RuntimeError(f"nbox: group ranks {ranks[:8]} exceed the emulated world of {emu.world_size}")
     group = NboxProcessGroup(dist_opts.group_rank, size, ranks, emu)
+    if group.table_index == 0:
+        emu.roles_start()
     start_gate.rendezvous()
     return group
 

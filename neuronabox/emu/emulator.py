@@ -19,6 +19,10 @@ from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
 from . import start_gate
 from .footprint import Footprint, cpu_cost_from_profile, interference
+from .group_table import TABLE
+from .replay import ENV_ROLE_PROFILE, Replay
+from .role_record import RoleRecorder
+from .roles import read_profile
 from .host_coupling import HostCoupling, busy_rate_from_profile
 from .spin_stall import SpinStall
 from .straggler import ComputeSkew, compute_factors
@@ -117,6 +121,24 @@ class Emulator:
         self.stall: SpinStall | None = SpinStall.from_profile(profile) if gloo_timed else None
         rate = busy_rate_from_profile(profile)
         self.busy_rate: float | None = rate if (rate is not None and rate < 1.0 and modeled_cpu) else None
+        # Roles (roles.py): a profiling run records this rank's program; a replay run lets the
+        # ranks of other roles follow theirs.
+        self.role_recorder = RoleRecorder.from_env(real_rank)
+        if self.role_recorder is not None:
+            self.recorder.iteration_listeners.append(self.role_recorder.mark)
+        self.replay: Replay | None = None
+        if os.environ.get(ENV_ROLE_PROFILE):
+            profile_meta = read_profile(Path(os.environ[ENV_ROLE_PROFILE]))
+            self.replay = Replay(profile_meta, real_rank, TABLE, self.model)
+            self.recorder.iteration_listeners.append(self.replay.real_mark)
+
+    def roles_start(self) -> None:
+        """The world group exists: role gaps count from now."""
+        now = time.perf_counter()
+        if self.role_recorder is not None:
+            self.role_recorder.start()
+        if self.replay is not None:
+            self.replay.start(now)
 
     def new_timeline(self, group: Group, kind: str = "comm") -> Timeline:
         """A fresh communicator timeline: two process groups over the same ranks are still two NCCL communicators."""

@@ -29,6 +29,7 @@ import wrapt
 
 from ..topology import Topology
 from .emulator import ENV_REAL_RANK, current
+from .group_table import TABLE
 
 __all__ = ["prepare_env", "install", "uninstall", "installed", "free_port", "run_script", "child_pythonpath"]
 
@@ -87,6 +88,7 @@ def prepare_env(
 # What install() replaced: (module, attribute) -> original; empty when not installed.
 _originals: dict[tuple[object, str], object] = {}
 _hook_handle = None
+_pre_hook_handles: list = []
 _saved_barrier: list[str | None] = []
 
 
@@ -108,7 +110,10 @@ def install() -> None:
         return
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
-    from torch.optim.optimizer import register_optimizer_step_post_hook  # torch.optim deletes its submodule names
+    from torch.optim.optimizer import (  # torch.optim deletes its submodule names
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     from .backend import BACKEND_NAME, NboxProcessGroup, register
 
@@ -138,7 +143,27 @@ def install() -> None:
             raise ValueError(f"nbox: init_process_group(rank={rank}) but the real rank is {emu.real_rank}")
         a["world_size"] = emu.world_size
         a["rank"] = emu.real_rank
-        return original_init(*bound.args, **bound.kwargs)
+        TABLE.start_world(emu.world_size)
+        try:
+            return original_init(*bound.args, **bound.kwargs)
+        finally:
+            TABLE.creating = None
+
+    original_new_group = c10d._new_group_with_tag
+    new_group_sig = inspect.signature(original_new_group)
+
+    @functools.wraps(original_new_group)
+    def new_group_with_tag(*args, **kwargs):
+        # Every rank creates every group in the same order: the table names communicators across roles.
+        bound = new_group_sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        ranks = bound.arguments.get("ranks")
+        ranks = list(range(dist.get_world_size())) if not ranks else list(ranks)
+        TABLE.creating = TABLE.add(sorted(ranks) if bound.arguments.get("sort_ranks", True) else ranks)
+        try:
+            return original_new_group(*args, **kwargs)
+        finally:
+            TABLE.creating = None
 
     original_helper = c10d._new_process_group_helper
     helper_sig = inspect.signature(original_helper)
@@ -180,6 +205,7 @@ def install() -> None:
     _patch(c10d, "init_process_group", init_process_group)
     _patch(dist, "init_process_group", init_process_group)
     _patch(c10d, "_new_process_group_helper", new_process_group_helper)
+    _patch(c10d, "_new_group_with_tag", new_group_with_tag)
     _patch(c10d, "monitored_barrier", monitored_barrier)
     _patch(dist, "monitored_barrier", monitored_barrier)
     try:  # init_device_mesh calls the init_process_group it imported
@@ -204,7 +230,17 @@ def install() -> None:
         if emulator._current is not None:
             emulator._current.recorder.mark_iteration()
 
+    def step_pre_hook(optimizer, args, kwargs):
+        # A role being profiled: the optimizer steps once every op it issued is done (DDP and FSDP
+        # wait on their futures from C++, unseen by Python).
+        from . import emulator
+
+        emu = emulator._current
+        if emu is not None and emu.role_recorder is not None and first_optimizer and first_optimizer[0]() is optimizer:
+            emu.role_recorder.sync()
+
     _hook_handle = register_optimizer_step_post_hook(step_post_hook)
+    _pre_hook_handles.append(register_optimizer_step_pre_hook(step_pre_hook))
 
 
 def _patch_dtensor_scatter(group_class) -> None:
@@ -250,6 +286,8 @@ def uninstall() -> None:
     if _hook_handle is not None:
         _hook_handle.remove()
         _hook_handle = None
+    while _pre_hook_handles:
+        _pre_hook_handles.pop().remove()
     while _saved_barrier:
         value = _saved_barrier.pop()
         if value is None:
@@ -339,6 +377,9 @@ def _write_record(path: str) -> None:
         "communicators": {tl.name: list(tl.group.ranks) for tl in emu.timelines},
         "ops": [r.as_dict(rec.t0) for r in rec.ops],
     }
+    if emu.replay is not None:
+        data["roles"] = emu.replay.summary()
+        data["roles"]["_real"] = {"rank": emu.real_rank, "role": emu.replay.roles.role_of(emu.real_rank)}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f)
 

@@ -62,7 +62,7 @@ class OpRecord:
     __slots__ = (
         "seq", "comm", "op", "group", "nbytes", "root", "algorithm", "iteration",
         "enqueue", "ready", "start", "end", "duration", "extra",
-        "wait", "completed", "device", "device_slot", "coupled", "footprint", "stall", "spin",
+        "wait", "completed", "device", "device_slot", "coupled", "footprint", "stall", "spin", "event",
     )
 
     def __init__(self, seq, comm, op, group, nbytes, root, algorithm, iteration, enqueue, duration, extra):
@@ -88,6 +88,7 @@ class OpRecord:
         self.footprint: Footprint | None = None  # set when the op also spends CPU for real (footprint)
         self.stall: float = 0.0  # gloo's spin stall drawn for it: the bytes move this much later (spin_stall)
         self.spin: float = 0.0  # of which this rank's core spun (CPU seconds)
+        self.event: int = -1  # its entry in a role profile being recorded (role_record.py)
 
     @property
     def lateness(self) -> float | None:

@@ -77,6 +77,7 @@ def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str,
         s["mean_duration_s"] = s["modeled_s"] / s["count"]
     lateness = [o["lateness"] for o in ops if o.get("lateness") is not None]
     timed = iterations[warmup:]
+    roles = _roles(record.get("roles"), warmup, timed, exposed)
     return {
         **(meta or {}),
         "world_size": record.get("world_size"),
@@ -91,8 +92,31 @@ def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str,
         "per_op": per_op,
         "lateness": _stats(lateness),
         "communicators": record.get("communicators", {}),
+        **({"roles": roles} if roles else {}),
         "ops": ops,
     }
+
+
+def _roles(replayed: dict[str, Any] | None, warmup: int, timed: list[float], exposed: list[float]) -> dict[str, Any]:
+    """Per role (replay.py): its rank, whether it ran for real, iteration time and bubble (waiting) per iteration."""
+    if not replayed:
+        return {}
+    real = replayed.get("_real", {})
+    out: dict[str, Any] = {}
+    if real:
+        out[real["role"]] = {"rank": real["rank"], "real": True, "iteration_time": _stats(timed),
+                             "bubble_per_iteration": _stats(exposed)}
+    for name, r in replayed.items():
+        if name.startswith("_"):
+            continue
+        # An actor's first mark counts from the world's creation, as the real rank's first iteration does.
+        its = r["iterations"]
+        out[name] = {"rank": r["rank"], "real": False, "iteration_time": _stats(its[max(0, warmup - 1):]),
+                     "bubble_per_iteration": _stats(r["waited"][warmup:]),
+                     "events_replayed": f"{r['events_replayed']} of {r['events']}"}
+    if replayed.get("_forced"):
+        out["_forced_ops"] = replayed["_forced"]
+    return out
 
 
 def summarize_ranks(
@@ -183,4 +207,21 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
             name, str(s["count"]), format_size(s["bytes"]), _t(s["modeled_s"]), _t(s["mean_duration_s"]),
             _t(s["waited_s"]), algos,
         )
-    return [t, ops] if report["per_op"] else [t]
+    tables = [t, ops] if report["per_op"] else [t]
+    if report.get("roles"):
+        tables.append(_roles_table(report["roles"]))
+    return tables
+
+
+def _roles_table(roles: dict[str, Any]) -> Table:
+    """One row per role: the real rank's measured, the others' replayed from their programs."""
+    t = Table(title="roles (measured iterations)", title_justify="left")
+    for col in ("role", "rank", "runs", "iteration", "bubble", "bubble share"):
+        t.add_column(col, justify="left" if col in ("role", "runs") else "right")
+    for name, r in roles.items():
+        if name.startswith("_"):
+            continue
+        it, bub = r["iteration_time"].get("median"), r["bubble_per_iteration"].get("median")
+        share = f"{bub / it:.1%}" if it and bub is not None else "-"
+        t.add_row(name, str(r["rank"]), "real" if r["real"] else "replayed", _t(it), _t(bub), share)
+    return t

@@ -1,0 +1,53 @@
+"""``nbox profile``: record each role's program (pipeline stages, experts) for ``nbox run --role-profile``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..errors import InputError
+from . import app, console, load
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    no_args_is_help=True,
+)
+def profile(
+    topology: Path = typer.Argument(..., help="Topology YAML file."),
+    command: List[str] = typer.Argument(None, help="The training command, after --, e.g. -- python train.py"),
+    roles: str = typer.Option(
+        ..., "--roles", help="Rank sets, one per role (0,1 or 0-3,4-7), or mesh dimensions (pp)."
+    ),
+    mesh: Optional[str] = typer.Option(None, "--mesh", help="The device mesh, outermost first: pp=2,dp=4."),
+    out: Path = typer.Option(Path("nbox-roles"), "-o", "--out", help="The profile folder to write."),
+    model: Optional[str] = typer.Option(
+        None, "-m", "--model", help="Delay model of the profiling runs (default: the topology's)."
+    ),
+) -> None:
+    """Run the command once per role, as that role's first rank, and record each role's program."""
+    from ..emu.profiling import record_profile
+    from ..emu.roles import parse_roles
+    from ..model.registry import create_model
+
+    if not command:
+        raise InputError("nbox profile: no command to run "
+                         "(usage: nbox profile TOPOLOGY --roles 0,1 -- python train.py)")
+    topo = load(topology)
+    spec = parse_roles(roles, topo.world_size, mesh)
+    create_model(topo, model)  # a bad model fails here, before any run
+    console.print(f"profiling {len(spec.names)} roles of {topo.world_size} ranks ({spec.spec}) into {out}")
+
+    def say(name: str, rank: int) -> None:
+        console.print(f"  role {name}: rank {rank} ...")
+
+    meta, runs = record_profile(topo, command, spec, out, model, on_role=say)
+    for run in runs:
+        prog = meta.programs[run.role]
+        ops = sum(1 for e in prog.events if e[0] == "op")
+        med = f", iteration {run.iteration_median * 1e3:.2f} ms" if run.iteration_median else ""
+        console.print(f"  role {run.role}: {prog.iterations} iterations, {ops} ops{med}")
+    again = f"nbox run {topology} --role-profile {out} -- {' '.join(command)}"
+    console.print(f"wrote {out}; replay it with: {again}", soft_wrap=True)

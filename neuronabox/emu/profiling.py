@@ -1,0 +1,135 @@
+"""``nbox profile``: record each role's program, one real run per role, one after another.
+
+Each role's first rank runs the unmodified command as the real rank of the full emulated
+world (``run_command``), with ``NBOX_ROLE_RECORD`` set, so its process writes its calls and
+the compute between them (role_record.py). The runs take the topology's own delay model: on
+a CPU host, compute that follows a wait runs slower than compute that follows an instant
+collective (cold caches, an idled core), and a profile taken with instant collectives
+under-measured a pipeline stage's compute by up to 30% here. The gaps leave the waits out
+either way, so the others' timing does not enter a role's program.
+
+Nothing is half-made: role files are written into the folder as ``role-NAME.json`` only after
+their run ended well, and ``profile.json``, which a replay needs, only after every role's.
+A failed or stopped profiling removes what it wrote.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..errors import InputError, RunFailed
+from ..topology import Topology
+from .replay import ENV_ROLE_PROFILE
+from .role_record import ENV_ROLE_NAME, ENV_ROLE_RECORD
+from .roles import FORMAT, MANIFEST, ProfileMeta, Roles, check_profile, command_digest, read_profile
+from .runner import describe_exit, run_command
+
+__all__ = ["record_profile", "replay_env", "torch_version", "topology_device", "RoleRun"]
+
+
+def torch_version() -> str:
+    """The installed torch's version, without importing it (seconds of start-up)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def topology_device(topology: Topology) -> str:
+    """The devices of the topology's nodes, as a profile records them (compute is measured on them)."""
+    return ",".join(sorted({n.device for n in topology.nodes}))
+
+
+@dataclass
+class RoleRun:
+    """How one role's profiling run went."""
+
+    role: str
+    rank: int
+    returncode: int
+    iteration_median: float | None
+
+
+def record_profile(
+    topology: Topology,
+    command: Sequence[str],
+    roles: Roles,
+    out: Path,
+    model: str | None = None,
+    on_role: Callable[[str, int], None] | None = None,
+) -> tuple[ProfileMeta, list[RoleRun]]:
+    """Run ``command`` once per role of ``roles`` and write the profile folder ``out``; returns it read back."""
+    if roles.world_size != topology.world_size:
+        raise InputError(f"--roles: the roles cover {roles.world_size} ranks, the world has {topology.world_size}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out: {out} exists and is not a folder")
+    created = not out.exists()
+    written: list[Path] = []
+    stale = [out / MANIFEST] + sorted(out.glob("role-*.json")) if out.is_dir() else []
+    runs: list[RoleRun] = []
+    ok = False
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for path in stale:  # an older profile here is replaced as a whole, never mixed with this one
+            path.unlink(missing_ok=True)
+        for name in roles.names:
+            rank = roles.representative(name)
+            if on_role is not None:
+                on_role(name, rank)
+            part = out / f"role-{name}.json.part"
+            written.append(part)
+            env = {ENV_ROLE_RECORD: str(part.resolve()), ENV_ROLE_NAME: name}
+            result = run_command(topology, command, rank, model=model, extra_env=env)
+            median = None
+            if result.record and result.record.get("iterations"):
+                its = sorted(result.record["iterations"][1:] or result.record["iterations"])
+                median = its[len(its) // 2]
+            runs.append(RoleRun(name, rank, result.returncode, median))
+            if result.returncode != 0:
+                raise RunFailed(f"profiling role {name} (rank {rank}): the command {describe_exit(result.returncode)}; "
+                                "no profile was written")
+            if not part.exists():
+                raise RunFailed(f"profiling role {name} (rank {rank}): the command made no torch.distributed calls")
+            final = out / f"role-{name}.json"
+            os.replace(part, final)
+            written.append(final)
+        manifest = {
+            "format": FORMAT,
+            "topology": topology.name,
+            "world_size": topology.world_size,
+            "device": topology_device(topology),
+            "command": list(command),
+            "digest": command_digest(command),
+            "torch": torch_version(),
+            "model": model,
+            "roles": roles.as_dict(),
+        }
+        tmp = out / f"{MANIFEST}.tmp"
+        written.append(tmp)
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, out / MANIFEST)
+        ok = True
+    finally:
+        if not ok:
+            for path in written:
+                path.unlink(missing_ok=True)
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+    return read_profile(out), runs
+
+
+def replay_env(folder: Path, topology: Topology, command: Sequence[str], real_ranks: Sequence[int]) -> dict[str, str]:
+    """Check the profile ``folder`` against this run (exit 2 on a mismatch); the environment that replays it."""
+    meta = read_profile(Path(folder))
+    check_profile(meta, topology=topology.name, world_size=topology.world_size, device=topology_device(topology),
+                  command=command, torch_version=torch_version())
+    if len(real_ranks) != 1:
+        raise InputError("--role-profile: replay runs with one real rank; the others are replayed from their roles")
+    return {ENV_ROLE_PROFILE: str(Path(folder).resolve())}
