@@ -103,6 +103,10 @@ def validate(
         "system, whose ranks share this machine. --no-twin when the real ranks run on separate machines."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the error table and the raw iteration times here."),
     logs: Optional[Path] = typer.Option(None, "--logs", help="Keep every run's output in this folder."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="The emulated runs' real rank (default: the topology's)."),
+    role_profile: Optional[Path] = typer.Option(
+        None, "--role-profile", help="The emulated runs replay the other roles from this folder (nbox profile)."
+    ),
 ) -> None:
     """Run the real system and the emulated one on the same shaped network; print the error table (exit 1 past --tolerance).
     \f
@@ -135,7 +139,8 @@ def validate(
         raise InputError(f"{topology}: no such topology file")
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
-                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes)
+                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes, real_rank=rank,
+                       role_profile=role_profile)
     rows = error_table(v)
     twin_note = f", load twin rank(s) {','.join(map(str, v.twin_ranks))}" if v.twin_ranks else ", no load twin"
     t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "

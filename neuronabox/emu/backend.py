@@ -287,15 +287,28 @@ def _cuda_future(event, device: torch.device, result) -> torch.futures.Future:
 class ReplayedWork(NboxWork):
     """An op shared with a replayed rank of another role (replay.py): its end may be known only after later calls."""
 
-    def __init__(self, record: OpRecord, result, emulator: Emulator, instance, source_rank: int = -1):
+    def __init__(self, record: OpRecord, result, emulator: Emulator, instance, source_rank: int = -1, into=()):
         super().__init__(record, result, emulator, source_rank=source_rank)
         self._inst = instance
+        self._into = into  # a receive: the sender's recorded values, where its profile kept them
+
+    def _deliver(self) -> None:
+        payload = self._inst.payload
+        if payload is None or len(self._into) != 1:
+            return
+        t = self._into[0]
+        dtype, values = payload
+        if len(values) == t.numel() and str(t.dtype).removeprefix("torch.") == dtype:
+            with torch.no_grad():
+                t.copy_(torch.tensor(values, dtype=t.dtype).reshape(t.shape))
+        self._into = ()
 
     def _wait(self, timeout: datetime.timedelta | None) -> bool:
         if self._done:
             return True
         # The real rank makes no further call while it waits: whatever the op needs is known now.
         self._emu.replay.settle(self._inst, force=True)
+        self._deliver()
         rec = self._rec
         now = clock()
         if now < rec.end:
@@ -322,6 +335,7 @@ class ReplayedWork(NboxWork):
             def complete(now: float) -> None:
                 if rec.completed is None:
                     rec.completed = now
+                self._deliver()
                 fut.set_result(result)
 
             self._emu.replay.when_resolved(self._inst, lambda end: waker.at(end, complete))
@@ -454,7 +468,7 @@ class NboxProcessGroup(dist.ProcessGroup):
         device = tensors[0].device if tensors else _CPU
         if self._replay is not None and device.type == "cpu" and (peer < 0 or self._replay.involves_actor(
                 (self.global_ranks[peer],))):
-            return self._replayed(op, nbytes, root, tl, mirror, result, peer, send, source_rank)
+            return self._replayed(op, nbytes, root, tl, tensors, mirror, result, peer, send, source_rank)
         if self._wire is not None and self._n > 1:  # wire mode hook: this op has no wire path; say so once
             self._wire.fallback(op.value if device.type == "cpu" else f"{op.value} on {device.type}")
         if device.type == "cuda":
@@ -468,21 +482,24 @@ class NboxProcessGroup(dist.ProcessGroup):
             _cuda_fallback(device)
         rec = tl.schedule(op, nbytes, root)
         if self._record_roles is not None:
-            self._record_roles.op(self.ordinal, op, nbytes, peer if peer >= 0 else root, send, rec)
+            self._record_roles.op(self.ordinal, op, nbytes, peer if peer >= 0 else root, send, rec, tensors)
         if mirror is not None:
             _no_grad_call(mirror)
         return self._track(NboxWork(rec, result, self._emu, source_rank=source_rank))
 
-    def _replayed(self, op, nbytes, root, tl, mirror, result, peer, send, source_rank) -> NboxWork:
+    def _replayed(self, op, nbytes, root, tl, tensors, mirror, result, peer, send, source_rank) -> NboxWork:
         # An op shared with a rank of another role: it starts when that rank's recorded program gets there.
         now = clock()
         rec = tl._record(op, nbytes, root, now)
         rec.ready = now
         self._emu.recorder.add(rec)
         inst = self._replay.real_op(self.table_index, op, rec, self.global_ranks[peer] if peer >= 0 else -1, send)
+        if self._record_roles is not None:  # a profiling run replaying the roles recorded before this one
+            self._record_roles.op(self.ordinal, op, nbytes, peer if peer >= 0 else root, send, rec, tensors)
         if mirror is not None:
             _no_grad_call(mirror)
-        return self._track(ReplayedWork(rec, result, self._emu, inst, source_rank))
+        into = tensors if op is Op.SEND_RECV and not send else ()
+        return self._track(ReplayedWork(rec, result, self._emu, inst, source_rank, into))
 
     def _real(self, tensor: torch.Tensor | None = None):
         """The hybrid rules for ``tensor``'s device (gloo for CPU, NCCL for CUDA)."""
@@ -728,7 +745,10 @@ class NboxProcessGroup(dist.ProcessGroup):
                 dst = output.narrow(0, out_off[j], out_splits[j]) if output.dim() else output
                 _fit_copy(dst, src)
 
-        return self._issue(Op.ALL_TO_ALL, _nbytes([input]), [output, input], mirror, [output])
+        # Uneven splits: a rank receives another volume than it sends (an expert with many tokens); the
+        # larger one bounds its time.
+        nbytes = max(_nbytes([input]), _nbytes([output]))
+        return self._issue(Op.ALL_TO_ALL, nbytes, [output, input], mirror, [output])
 
     alltoall_base = all_to_all_single
 

@@ -20,7 +20,7 @@ from ..topology import Topology, load_topology
 from . import start_gate
 from .footprint import Footprint, cpu_cost_from_profile, interference
 from .group_table import TABLE
-from .replay import ENV_ROLE_PROFILE, Replay
+from .replay import ENV_ROLE_PARTIAL, ENV_ROLE_PROFILE, Replay
 from .role_record import RoleRecorder
 from .roles import read_profile
 from .host_coupling import HostCoupling, busy_rate_from_profile
@@ -128,7 +128,8 @@ class Emulator:
             self.recorder.iteration_listeners.append(self.role_recorder.mark)
         self.replay: Replay | None = None
         if os.environ.get(ENV_ROLE_PROFILE):
-            profile_meta = read_profile(Path(os.environ[ENV_ROLE_PROFILE]))
+            partial = os.environ.get(ENV_ROLE_PARTIAL) == "1"  # nbox profile: the roles recorded so far
+            profile_meta = read_profile(Path(os.environ[ENV_ROLE_PROFILE]), partial=partial)
             self.replay = Replay(profile_meta, real_rank, TABLE, self.model)
             self.recorder.iteration_listeners.append(self.replay.real_mark)
 

@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 
 from ..errors import InputError, RunFailed
 from ..topology import Topology
-from .replay import ENV_ROLE_PROFILE
+from .replay import ENV_ROLE_PARTIAL, ENV_ROLE_PROFILE
 from .role_record import ENV_ROLE_NAME, ENV_ROLE_RECORD
-from .roles import FORMAT, MANIFEST, ProfileMeta, Roles, check_profile, command_digest, read_profile
+from .roles import FORMAT, MANIFEST, PARTIAL, ProfileMeta, Roles, check_profile, command_digest, read_profile
 from .runner import describe_exit, run_command
 
 __all__ = ["record_profile", "replay_env", "torch_version", "topology_device", "RoleRun"]
@@ -72,20 +72,37 @@ def record_profile(
         raise InputError(f"--out: {out} exists and is not a folder")
     created = not out.exists()
     written: list[Path] = []
-    stale = [out / MANIFEST] + sorted(out.glob("role-*.json")) if out.is_dir() else []
+    stale = [out / MANIFEST, out / PARTIAL] + sorted(out.glob("role-*.json")) if out.is_dir() else []
     runs: list[RoleRun] = []
+    manifest = {
+        "format": FORMAT,
+        "topology": topology.name,
+        "world_size": topology.world_size,
+        "device": topology_device(topology),
+        "command": list(command),
+        "digest": command_digest(command),
+        "torch": torch_version(),
+        "model": model,
+        "roles": roles.as_dict(),
+    }
     ok = False
     try:
         out.mkdir(parents=True, exist_ok=True)
         for path in stale:  # an older profile here is replaced as a whole, never mixed with this one
             path.unlink(missing_ok=True)
+        partial = out / PARTIAL
+        written.append(partial)
+        partial.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         for name in roles.names:
             rank = roles.representative(name)
             if on_role is not None:
                 on_role(name, rank)
             part = out / f"role-{name}.json.part"
             written.append(part)
-            env = {ENV_ROLE_RECORD: str(part.resolve()), ENV_ROLE_NAME: name}
+            # The roles recorded so far replay in this run: what they send it (a pipeline's vote)
+            # is what they recorded, not a clone's zeros.
+            env = {ENV_ROLE_RECORD: str(part.resolve()), ENV_ROLE_NAME: name,
+                   ENV_ROLE_PROFILE: str(out.resolve()), ENV_ROLE_PARTIAL: "1"}
             result = run_command(topology, command, rank, model=model, extra_env=env)
             median = None
             if result.record and result.record.get("iterations"):
@@ -100,21 +117,7 @@ def record_profile(
             final = out / f"role-{name}.json"
             os.replace(part, final)
             written.append(final)
-        manifest = {
-            "format": FORMAT,
-            "topology": topology.name,
-            "world_size": topology.world_size,
-            "device": topology_device(topology),
-            "command": list(command),
-            "digest": command_digest(command),
-            "torch": torch_version(),
-            "model": model,
-            "roles": roles.as_dict(),
-        }
-        tmp = out / f"{MANIFEST}.tmp"
-        written.append(tmp)
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, out / MANIFEST)
+        os.replace(partial, out / MANIFEST)
         ok = True
     finally:
         if not ok:

@@ -34,9 +34,10 @@ from .group_table import GroupTable
 from .roles import ProfileMeta, RoleProgram
 from .timeline import OpRecord
 
-__all__ = ["Replay", "Instance", "Actor", "ENV_ROLE_PROFILE", "LOOKAHEAD"]
+__all__ = ["Replay", "Instance", "Actor", "ENV_ROLE_PROFILE", "ENV_ROLE_PARTIAL", "LOOKAHEAD"]
 
 ENV_ROLE_PROFILE = "NBOX_ROLE_PROFILE"
+ENV_ROLE_PARTIAL = "NBOX_ROLE_PARTIAL"  # "1": the profile being recorded (roles.PARTIAL)
 LOOKAHEAD = 2  # iterations an actor may run ahead of the real rank
 
 
@@ -44,7 +45,7 @@ class Instance:
     """One op of one communicator across its participants."""
 
     __slots__ = ("key", "op", "nbytes", "root", "group", "participants", "arrivals", "start", "end", "duration",
-                 "records", "listeners", "forced")
+                 "records", "listeners", "forced", "payload")
 
     def __init__(self, key: tuple, op: Op, nbytes: int, root: int, group: tuple[int, ...], participants: frozenset):
         self.key = key
@@ -60,6 +61,7 @@ class Instance:
         self.records: list[OpRecord] = []
         self.listeners: list[Callable[[float], None]] = []
         self.forced = False
+        self.payload: list | None = None  # a replayed sender's recorded values ([dtype, values])
 
 
 class Actor:
@@ -100,7 +102,7 @@ class Replay:
         self.table = table
         self.model = model
         self.actors: dict[int, Actor] = {}
-        self._actor_roles = self.roles.actors(real)
+        self._actor_ranks = {r: n for r, n in self.roles.actors(real).items() if n in profile.programs}
         self.instances: dict[tuple, Instance] = {}
         self.next_seq: dict[tuple, int] = {}
         self.last_end: dict[tuple, float] = {}
@@ -118,6 +120,10 @@ class Replay:
         for rank, name in self._actor_roles.items():
             self.actors[rank] = Actor(rank, self.profile.programs[name], origin)
 
+    @property
+    def _actor_roles(self) -> dict[int, str]:
+        # While a profile is recorded, roles not yet recorded have no program: they stay clones.
+        return self._actor_ranks
     def participants(self, ranks: tuple[int, ...]) -> frozenset:
         """The actors and the real rank among ``ranks``."""
         return frozenset(r for r in ranks if r == self.real or r in self._actor_roles)
@@ -132,8 +138,7 @@ class Replay:
         """The real rank called ``op`` on group ``index`` (``peer``: a p2p partner's global rank); its instance."""
         with self._lock:
             ranks = self.table.groups[index]
-            inst = self._arrive(self.real, index, ranks, op, rec.nbytes, rec.root, peer, send, rec.ready + rec.extra,
-                                rec.duration)
+            inst = self._arrive(self.real, index, ranks, op, rec.nbytes, rec.root, peer, send, rec.ready + rec.extra)
             inst.records.append(rec)
             if inst.end is not None:
                 self._fill(rec, inst)
@@ -166,12 +171,13 @@ class Replay:
     # --- matching and timing -----------------------------------------------------------------------------
 
     def _arrive(self, who: int, index: int, ranks: tuple[int, ...], op: Op, nbytes: int, root: int, peer: int,
-                send: bool, when: float, duration: float | None) -> Instance:
+                send: bool, when: float) -> Instance:
         if op is Op.SEND_RECV:
             src, dst = (who, peer) if send else (peer, who)
             chan = ("p", index, src, dst)
             parts = self.participants((src, dst))
             group = tuple(sorted((src, dst)))
+            root = 0 if src < dst else 1  # the model's direction of a pair, as the backend's p2p timelines
         else:
             chan = ("c", index)
             parts = self.participants(ranks)
@@ -183,8 +189,9 @@ class Replay:
         inst = self.instances.get(key)
         if inst is None:
             inst = self.instances[key] = Instance(key, op, nbytes, root, group, parts)
-        if duration is not None and inst.duration is None:
-            inst.duration = duration
+        # Ranks of different roles move different volumes (an expert with more tokens): the op lasts
+        # as long as its largest.
+        inst.nbytes = max(inst.nbytes, nbytes)
         inst.arrivals[who] = when
         self._resolve(inst)
         return inst
@@ -236,6 +243,7 @@ class Replay:
     def _fill(rec: OpRecord, inst: Instance) -> None:
         rec.start = inst.start
         rec.end = inst.end
+        rec.duration = inst.duration
         rec.extra = max(rec.extra, inst.start - rec.ready)
 
     def _force(self, inst: Instance) -> None:
@@ -330,7 +338,7 @@ class Replay:
             a.t = end
 
     def _actor_op(self, a: Actor, e: tuple) -> bool:
-        _, _, ordinal, opname, nbytes, peer, send = e
+        ordinal, opname, nbytes, peer, send = e[2:7]
         index = self.table.nth(a.rank, ordinal)
         if index is None:
             self._lose(a, f"its program uses group #{ordinal} of rank {a.rank}, which this run never created")
@@ -345,7 +353,9 @@ class Replay:
             peer_rank = ranks[peer]
         else:
             peer_rank, root = -1, max(peer, 0)
-        inst = self._arrive(a.rank, index, ranks, op, nbytes, root, peer_rank, bool(send), a.t, None)
+        inst = self._arrive(a.rank, index, ranks, op, nbytes, root, peer_rank, bool(send), a.t)
+        if len(e) > 7:
+            inst.payload = e[7]
         a.ops[a.cursor] = inst
         a.unwaited.add(a.cursor)
         return True

@@ -15,7 +15,7 @@ import threading
 
 from ..collectives import Op
 from .group_table import TABLE
-from .roles import FORMAT
+from .roles import FORMAT, PAYLOAD_BYTES
 from .timeline import OpRecord, clock
 
 __all__ = ["RoleRecorder", "ENV_ROLE_RECORD", "ENV_ROLE_NAME"]
@@ -45,11 +45,19 @@ class RoleRecorder:
         self._last = now
         return max(0.0, now - last)
 
-    def op(self, ordinal: int, op: Op, nbytes: int, peer: int, send: bool, rec: OpRecord) -> None:
+    def op(self, ordinal: int, op: Op, nbytes: int, peer: int, send: bool, rec: OpRecord, tensors=()) -> None:
         """The rank called a collective (peer -1, or the root) or a point-to-point op with group position ``peer``."""
+        now = clock()
+        event = ["op", 0.0, ordinal, op.value, int(nbytes), int(peer), int(send)]
+        if send and 0 < nbytes <= PAYLOAD_BYTES and len(tensors) == 1 and tensors[0].device.type == "cpu":
+            # A receiver of another role may act on the values: pipelining's warm-up vote decides
+            # whether it reads shapes from an object list.
+            t = tensors[0]
+            event.append([str(t.dtype).removeprefix("torch."), t.detach().reshape(-1).tolist()])
         with self._lock:
             rec.event = len(self.events)
-            self.events.append(["op", self._gap(clock()), ordinal, op.value, int(nbytes), int(peer), int(send)])
+            event[1] = self._gap(now)
+            self.events.append(event)
 
     def wait_begins(self, rec: OpRecord) -> None:
         """The rank waits on ``rec``; the time until ``wait_ends`` is not compute."""

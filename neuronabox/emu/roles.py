@@ -23,8 +23,10 @@ size: a communicator is named by its ordinal among the groups that hold the reco
 Event lists (``events``), one entry per call of the recorded rank, times in seconds of its
 own compute since the previous entry (the waits are left out):
 
-- ``["op", gap, group, op, nbytes, peer, send]``: a collective (peer -1, send 0; root in
-  ``peer`` for rooted ones) or a point-to-point op (peer = group position, send 1 or 0);
+- ``["op", gap, group, op, nbytes, peer, send(, payload)]``: a collective (peer -1, send 0;
+  root in ``peer`` for rooted ones) or a point-to-point op (peer = group position, send 1 or
+  0); a send of up to ``PAYLOAD_BYTES`` keeps its values, ``[dtype, [values]]``, which a
+  receive from a replayed rank returns (a pipeline's warm-up vote, an object list's size);
 - ``["wait", gap, k]``: a wait on the op of entry ``k``;
 - ``["sync", gap]``: the optimizer is about to step: every op not yet waited is done
   (DDP and FSDP wait on their futures from C++, where Python cannot see it);
@@ -45,11 +47,13 @@ from ..errors import InputError
 __all__ = [
     "Roles", "parse_roles", "parse_mesh", "RoleProgram", "ProfileMeta", "read_profile", "check_profile", "load_profile",
     "command_digest",
-    "FORMAT", "MANIFEST",
+    "FORMAT", "MANIFEST", "PARTIAL", "PAYLOAD_BYTES",
 ]
 
 FORMAT = "nbox-roles/1"
 MANIFEST = "profile.json"
+PARTIAL = "profiling.json"  # the manifest while the roles are being recorded
+PAYLOAD_BYTES = 1024  # sends up to this size keep their values (pipelining's votes, object-list sizes)
 _SET = re.compile(r"^(\d+)(?:-(\d+)(?::(\d+))?)?$")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -245,7 +249,12 @@ def _field(data: dict, key: str, kind, path: Path):
     return value
 
 
-_EVENT_LEN = {"op": 7, "wait": 3, "sync": 2, "mark": 2}
+_EVENT_LEN = {"op": (7, 8), "wait": (3,), "sync": (2,), "mark": (2,)}
+
+
+def _payload_ok(p) -> bool:
+    return (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)
+            and all(isinstance(v, (int, float)) for v in p[1]))
 
 
 def _program(path: Path, name: str) -> RoleProgram:
@@ -254,10 +263,10 @@ def _program(path: Path, name: str) -> RoleProgram:
         raise _fail(path, f"field 'format' is {data.get('format')!r}, expected {FORMAT!r}")
     events = _field(data, "events", list, path)
     for i, e in enumerate(events):
-        if not (isinstance(e, list) and e and e[0] in _EVENT_LEN and len(e) == _EVENT_LEN[e[0]]
+        if not (isinstance(e, list) and e and e[0] in _EVENT_LEN and len(e) in _EVENT_LEN[e[0]]
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                        for x in e[1:] if not isinstance(x, str))
-                and isinstance(e[1], (int, float)) and e[1] >= 0):
+                        for x in e[1:7] if not isinstance(x, str))
+                and isinstance(e[1], (int, float)) and e[1] >= 0 and (len(e) < 8 or _payload_ok(e[7]))):
             raise _fail(path, f"events[{i}] is not a role event: {e!r:.80}")
         if e[0] == "wait" and not (isinstance(e[2], int) and 0 <= e[2] < i and events[e[2]][0] == "op"):
             raise _fail(path, f"events[{i}] waits on entry {e[2]!r}, which is no earlier op")
@@ -268,12 +277,16 @@ def _program(path: Path, name: str) -> RoleProgram:
                        _field(data, "iterations", int, path))
 
 
-def read_profile(folder: Path) -> ProfileMeta:
-    """Read a role profile and check that it is whole; an ``InputError`` names the file and field."""
+def read_profile(folder: Path, partial: bool = False) -> ProfileMeta:
+    """Read a role profile and check that it is whole; an ``InputError`` names the file and field.
+
+    ``partial``: the profile being recorded (``PARTIAL`` instead of ``MANIFEST``), with the
+    roles recorded so far; the others have no program and run as clones.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         raise InputError(f"--role-profile: {folder} is not a folder (record one with `nbox profile`)")
-    manifest = folder / MANIFEST
+    manifest = folder / (PARTIAL if partial else MANIFEST)
     if not manifest.exists():
         parts = sorted(p.name for p in folder.glob("role-*.json*"))
         what = f"holds {', '.join(parts)} but no {MANIFEST}" if parts else f"has no {MANIFEST}"
@@ -296,6 +309,8 @@ def read_profile(folder: Path) -> ProfileMeta:
     roles = Roles(names, sets, str(spec.get("spec", "")))
     programs = {}
     for name in names:
+        if partial and not (folder / f"role-{name}.json").exists():
+            continue
         prog = _program(folder / f"role-{name}.json", name)
         if prog.rank != roles.representative(name):
             raise _fail(folder / f"role-{name}.json", f"recorded on rank {prog.rank}, the role's first rank is "

@@ -334,8 +334,10 @@ def _end(p: subprocess.Popen) -> None:
 # ---- one run of each system -------------------------------------------------------------------------
 def _emulated_argv(topo_file: Path, command: Sequence[str], report: Path | None, model: str | None,
                    profile: Path | None, *, mode: str = "model", cluster: str | None = None,
-                   rank: int | None = None) -> list[str]:
+                   rank: int | None = None, role_profile: Path | None = None) -> list[str]:
     argv = [sys.executable, "-m", "neuronabox.cli", "run", str(topo_file), "-q"]
+    if role_profile is not None:
+        argv += ["--role-profile", str(role_profile)]
     if report is not None:
         argv += ["--report", str(report)]
     if rank is not None:
@@ -353,6 +355,7 @@ def _run_emulated(
     topo_file: Path, command: Sequence[str], mode: str, report: Path, core: int, cluster: str | None,
     model: str | None, profile: Path | None, log: Path | None, timeout: float = 900.0,
     twins: Sequence[tuple[int, int]] = (), say: Callable[[str], None] = lambda m: None,
+    rank: int | None = None, role_profile: Path | None = None,
 ) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("NBOX_RECORD", "NBOX_RECORD_ONLY")}
     outs, twin_procs = [], []
@@ -368,22 +371,23 @@ def _run_emulated(
     try:
         # The twins start first (each is an nbox run in model mode of its own rank, no report,
         # no cluster), so that the measured rank never computes on an idle machine.
-        for rank, twin_core in twins:
-            tlog = log.with_name(f"{log.stem}-twin{rank}.log") if log else None
+        for twin_rank, twin_core in twins:
+            tlog = log.with_name(f"{log.stem}-twin{twin_rank}.log") if log else None
             tout = open(tlog, "wb") if tlog else subprocess.DEVNULL
             if tlog:
                 outs.append(tout)
-            argv = _emulated_argv(topo_file, command, None, model, profile, rank=rank)
+            argv = _emulated_argv(topo_file, command, None, model, profile, rank=twin_rank, role_profile=role_profile)
             # In wire mode the bytes really move: the stub and the delay relay spend what the
             # other rank's gloo and sending cost, so the twin must not spend it a second time
             # through its footprint.
             tenv = {**env, "NBOX_FOOTPRINT": "0"} if mode == "wire" else env
-            twin_procs.append((rank, subprocess.Popen(argv, env=tenv, stdin=subprocess.DEVNULL, stdout=tout,
+            twin_procs.append((twin_rank, subprocess.Popen(argv, env=tenv, stdin=subprocess.DEVNULL, stdout=tout,
                                                       stderr=subprocess.STDOUT, preexec_fn=rank_preexec(None, twin_core))))
         out = open(log, "wb") if log else subprocess.DEVNULL
         if log:
             outs.append(out)
-        argv = _emulated_argv(topo_file, command, report, model, profile, mode=mode, cluster=cluster)
+        argv = _emulated_argv(topo_file, command, report, model, profile, mode=mode, cluster=cluster, rank=rank,
+                              role_profile=role_profile)
         p = subprocess.Popen(argv, env={**env, start_gate.ENV_LEAD: "1"}, stdin=subprocess.DEVNULL, stdout=out,
                              stderr=subprocess.STDOUT, preexec_fn=rank_preexec(None, core))
         t0 = time.monotonic()
@@ -401,7 +405,7 @@ def _run_emulated(
         # far behind only loads an idle machine now, so it is ended, and its status is a note.
         # Beside a failed measured rank there is nothing to wait for.
         grace = max(30.0, 0.5 * (time.monotonic() - t0)) if rc == 0 else 1.0
-        for rank, tp in twin_procs:
+        for trank, tp in twin_procs:
             try:
                 trc = tp.wait(timeout=grace)
             except subprocess.TimeoutExpired:
@@ -409,8 +413,8 @@ def _run_emulated(
                 trc = 124
             grace = 1.0
             if trc != 0 and rc == 0:
-                say(f"note: load twin rank {rank} ended with status {trc}"
-                    + (f" (log {log.with_name(f'{log.stem}-twin{rank}.log')})" if log else ""))
+                say(f"note: load twin rank {trank} ended with status {trc}"
+                    + (f" (log {log.with_name(f'{log.stem}-twin{trank}.log')})" if log else ""))
         return rc
     finally:
         # Also the measured rank: a signal (nbox validate stopped) can leave its wait early.
@@ -564,6 +568,8 @@ def run_validation(
     twin: bool = True,
     calibrate_ops: Sequence | None = None,
     calibrate_sizes: tuple[int, int] | None = None,
+    real_rank: int | None = None,
+    role_profile: Path | None = None,
 ) -> Validation:
     """Run the real and the emulated systems interleaved ``repeats`` times and compare their iteration times.
 
@@ -572,6 +578,9 @@ def run_validation(
     these collectives (at sizes ``calibrate_sizes``, MIN and MAX, else calibrate's default) on
     the validation's own cluster (``nbox calibrate``'s sweep) and run the
     emulated systems on that profile, written to ``profile`` (else to ``keep_logs``, else dropped).
+    ``real_rank``: the emulated runs' real rank, the one the real system records (default the
+    topology's first real rank). ``role_profile``: the emulated runs (and their twins) replay the
+    other roles from it (``nbox run --role-profile``).
     """
     from ..model.calibrated import with_profile
     from ..model.registry import create_model
@@ -588,6 +597,12 @@ def run_validation(
     if iterations is not None and iterations < 1:
         raise InputError(f"--iterations: must be 1 or more, got {iterations}")
     topo = load_topology(topology_file)
+    if real_rank is not None and not 0 <= real_rank < topo.world_size:
+        raise InputError(f"--rank: rank {real_rank} is not in 0-{topo.world_size - 1}")
+    if role_profile is not None:
+        from ..emu.profiling import replay_env
+
+        replay_env(role_profile, topo, command, [real_rank or 0])  # a mismatched profile fails before any run
     if topo.emulation.library != "gloo":
         say(f"note: {topology_file} says library {topo.emulation.library}; the real system here runs gloo")
     cores = cores_shared(topo.world_size)
@@ -625,7 +640,7 @@ def run_validation(
             profile = _calibrate_here(topo, up.name, calibrate_ops, calibrate_sizes, calibrated_to, keep_logs or tmp, say)
             effective = with_profile(topo, profile, None)
         # The emulated run's real rank gets the core that rank had in the real system.
-        real_rank = topo.emulation.real_ranks[0]
+        real_rank = topo.emulation.real_ranks[0] if real_rank is None else real_rank
         core0 = rank_cores(topo.world_size)[real_rank]
         twins = twin_ranks(topo.world_size, real_rank) if twin else []
         if twins:
@@ -658,7 +673,8 @@ def run_validation(
                     # A hung emulated run (seen once in wire mode) must not stall the whole validation.
                     limit = max(120.0, 10 * max(real_walls, default=60.0))
                     rc = _run_emulated(topology_file, command, system, rec, core0, up.name, model, profile, log, limit,
-                                       twins=twins, say=lambda m, k=runs: say(f"[{k}] {m}"))
+                                       twins=twins, say=lambda m, k=runs: say(f"[{k}] {m}"), rank=real_rank,
+                                       role_profile=role_profile)
                     if rc != 0:
                         # The other modes still get their row; this one fails the validation.
                         tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
