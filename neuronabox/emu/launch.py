@@ -89,6 +89,7 @@ def prepare_env(
 _originals: dict[tuple[object, str], object] = {}
 _hook_handle = None
 _pre_hook_handles: list = []
+_stage_hook = False
 _saved_barrier: list[str | None] = []
 
 
@@ -212,8 +213,27 @@ def install() -> None:
         import torch.distributed.device_mesh as device_mesh
 
         _patch(device_mesh, "init_process_group", init_process_group)
+        original_mesh = device_mesh.init_device_mesh
+        mesh_sig = inspect.signature(original_mesh)
+
+        @functools.wraps(original_mesh)
+        def init_device_mesh(*args, **kwargs):
+            # A role profile keeps the mesh: roles named by dimension (--roles pp) come from it.
+            bound = mesh_sig.bind(*args, **kwargs)
+            emu = current()
+            if emu.role_recorder is not None:
+                emu.role_recorder.note_mesh(tuple(bound.arguments.get("mesh_shape") or ()),
+                                            bound.arguments.get("mesh_dim_names"))
+            return original_mesh(*args, **kwargs)
+
+        _patch(device_mesh, "init_device_mesh", init_device_mesh)
+        _patch(dist, "init_device_mesh", init_device_mesh)
     except ImportError:
         pass
+    global _stage_hook
+    if not _stage_hook:  # a hook fires once per import: registered once per process, it wraps once
+        _stage_hook = True
+        wrapt.register_post_import_hook(_note_pipeline_stages, "torch.distributed.pipelining.stage")
     _patch_dtensor_scatter(NboxProcessGroup)  # after the patches above: installed() is what its hook checks
 
     first_optimizer: list[weakref.ref] = []
@@ -241,6 +261,24 @@ def install() -> None:
 
     _hook_handle = register_optimizer_step_post_hook(step_post_hook)
     _pre_hook_handles.append(register_optimizer_step_pre_hook(step_pre_hook))
+
+
+def _note_pipeline_stages(stage_module) -> None:
+    # A role profile keeps which pipeline stages a rank holds: roles can be inferred from them.
+    def after_init(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        from . import emulator
+
+        emu = emulator._current
+        if emu is not None and emu.role_recorder is not None:
+            import torch.distributed as dist
+
+            group = getattr(instance, "group", None)
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            emu.role_recorder.note_stage(instance.stage_index, instance.num_stages, ranks)
+        return result
+
+    wrapt.wrap_function_wrapper(stage_module, "_PipelineStageBase.__init__", after_init)
 
 
 def _patch_dtensor_scatter(group_class) -> None:

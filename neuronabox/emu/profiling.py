@@ -27,7 +27,10 @@ from ..errors import InputError, RunFailed
 from ..topology import Topology
 from .replay import ENV_ROLE_PARTIAL, ENV_ROLE_PROFILE
 from .role_record import ENV_ROLE_NAME, ENV_ROLE_RECORD
-from .roles import FORMAT, MANIFEST, PARTIAL, ProfileMeta, Roles, check_profile, command_digest, read_profile
+from .roles import (
+    FORMAT, MANIFEST, PARTIAL, ProfileMeta, Roles, check_profile, command_digest, infer_roles, merge_runs,
+    read_profile,
+)
 from .runner import describe_exit, run_command
 
 __all__ = ["record_profile", "replay_env", "torch_version", "topology_device", "RoleRun"]
@@ -59,13 +62,22 @@ class RoleRun:
 def record_profile(
     topology: Topology,
     command: Sequence[str],
-    roles: Roles,
+    roles: Roles | str,
     out: Path,
     model: str | None = None,
     on_role: Callable[[str, int], None] | None = None,
+    repeats: int = 1,
+    mesh: str | None = None,
 ) -> tuple[ProfileMeta, list[RoleRun]]:
-    """Run ``command`` once per role of ``roles`` and write the profile folder ``out``; returns it read back."""
-    if roles.world_size != topology.world_size:
+    """Run ``command`` ``repeats`` times per role and write the profile folder ``out``; returns it read back.
+
+    ``roles`` as text (``auto``, or mesh dimensions without ``mesh``) is resolved from what
+    rank 0's run records (its DeviceMesh, its pipeline stages): rank 0 is the first rank of its
+    role under any spec, so its run is always one of the profile's.
+    """
+    if repeats < 1:
+        raise InputError(f"--repeats: must be 1 or more, got {repeats}")
+    if isinstance(roles, Roles) and roles.world_size != topology.world_size:
         raise InputError(f"--roles: the roles cover {roles.world_size} ranks, the world has {topology.world_size}")
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -74,35 +86,20 @@ def record_profile(
     written: list[Path] = []
     stale = [out / MANIFEST, out / PARTIAL] + sorted(out.glob("role-*.json")) if out.is_dir() else []
     runs: list[RoleRun] = []
-    manifest = {
-        "format": FORMAT,
-        "topology": topology.name,
-        "world_size": topology.world_size,
-        "device": topology_device(topology),
-        "command": list(command),
-        "digest": command_digest(command),
-        "torch": torch_version(),
-        "model": model,
-        "roles": roles.as_dict(),
-    }
     ok = False
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for path in stale:  # an older profile here is replaced as a whole, never mixed with this one
-            path.unlink(missing_ok=True)
-        partial = out / PARTIAL
-        written.append(partial)
-        partial.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        for name in roles.names:
-            rank = roles.representative(name)
-            if on_role is not None:
-                on_role(name, rank)
-            part = out / f"role-{name}.json.part"
+
+    def record(name: str, rank: int, replaying: bool) -> dict:
+        if on_role is not None:
+            on_role(name, rank)
+        recorded = []
+        for k in range(repeats):
+            part = out / f"role-{name}.json.part{k}"
             written.append(part)
-            # The roles recorded so far replay in this run: what they send it (a pipeline's vote)
-            # is what they recorded, not a clone's zeros.
-            env = {ENV_ROLE_RECORD: str(part.resolve()), ENV_ROLE_NAME: name,
-                   ENV_ROLE_PROFILE: str(out.resolve()), ENV_ROLE_PARTIAL: "1"}
+            env = {ENV_ROLE_RECORD: str(part.resolve()), ENV_ROLE_NAME: name}
+            if replaying:
+                # The roles recorded so far replay in this run: what they send it (a pipeline's
+                # vote) is what they recorded, not a clone's zeros.
+                env.update({ENV_ROLE_PROFILE: str(out.resolve()), ENV_ROLE_PARTIAL: "1"})
             result = run_command(topology, command, rank, model=model, extra_env=env)
             median = None
             if result.record and result.record.get("iterations"):
@@ -110,13 +107,52 @@ def record_profile(
                 median = its[len(its) // 2]
             runs.append(RoleRun(name, rank, result.returncode, median))
             if result.returncode != 0:
-                raise RunFailed(f"profiling role {name} (rank {rank}): the command {describe_exit(result.returncode)}; "
-                                "no profile was written")
+                raise RunFailed(f"profiling role {name} (rank {rank}): the command "
+                                f"{describe_exit(result.returncode)}; no profile was written")
             if not part.exists():
                 raise RunFailed(f"profiling role {name} (rank {rank}): the command made no torch.distributed calls")
-            final = out / f"role-{name}.json"
-            os.replace(part, final)
-            written.append(final)
+            recorded.append(json.loads(part.read_text(encoding="utf-8")))
+            part.unlink()
+        try:
+            return merge_runs(recorded)
+        except ValueError as exc:
+            raise RunFailed(f"profiling role {name} (rank {rank}): {exc}") from None
+
+    def keep(name: str, data: dict) -> None:
+        final = out / f"role-{name}.json"
+        written.append(final)
+        final.write_text(json.dumps({**data, "role": name}, separators=(",", ":")), encoding="utf-8")
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for path in stale:  # an older profile here is replaced as a whole, never mixed with this one
+            path.unlink(missing_ok=True)
+        first = None
+        if not isinstance(roles, Roles):
+            first = record("rank0", 0, replaying=False)
+            roles = infer_roles(roles, topology.world_size, mesh, first)
+            if on_role is not None:
+                on_role(f"= {roles.spec}: {', '.join(roles.names)}", -1)
+        manifest = {
+            "format": FORMAT,
+            "topology": topology.name,
+            "world_size": topology.world_size,
+            "device": topology_device(topology),
+            "command": list(command),
+            "digest": command_digest(command),
+            "torch": torch_version(),
+            "model": model,
+            "roles": roles.as_dict(),
+        }
+        partial = out / PARTIAL
+        written.append(partial)
+        partial.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        for n, name in enumerate(roles.names):
+            rank = roles.representative(name)
+            if first is not None and rank == 0:
+                keep(name, first)
+                continue
+            keep(name, record(name, rank, replaying=n > 0 or first is not None))
         os.replace(partial, out / MANIFEST)
         ok = True
     finally:

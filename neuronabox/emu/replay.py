@@ -109,6 +109,7 @@ class Replay:
         self.real_counts: dict[tuple, int] = {}
         self.real_iterations = 0
         self._durations: dict[tuple, float] = {}
+        self._group_parts: dict[int, frozenset] = {}
         self._lock = threading.RLock()
         self._warned: set[str] = set()
         self.forced = 0
@@ -180,7 +181,9 @@ class Replay:
             root = 0 if src < dst else 1  # the model's direction of a pair, as the backend's p2p timelines
         else:
             chan = ("c", index)
-            parts = self.participants(ranks)
+            parts = self._group_parts.get(index)
+            if parts is None:  # once per group: a world of thousands is scanned once, not per op
+                parts = self._group_parts[index] = self.participants(ranks)
             group = ranks
         counts = self.real_counts if who == self.real else self.actors[who].counts
         seq = counts.get(chan, 0)
@@ -198,7 +201,7 @@ class Replay:
 
     def _duration(self, inst: Instance) -> float:
         if inst.duration is None:
-            k = (inst.op, inst.nbytes, inst.root, inst.group)
+            k = (inst.op, inst.nbytes, inst.root, inst.key[:-1])  # the channel names the group: no O(world) hash
             d = self._durations.get(k)
             if d is None:
                 try:

@@ -33,6 +33,9 @@ class RoleRecorder:
         self.rank = rank
         self.events: list[list] = []
         self.iterations = 0
+        # What torch says about the job's layout, for roles inferred from it (profiling.py).
+        self.mesh: list[list] | None = None  # [[dim name, size], ...], outermost first
+        self.stages: list[dict] = []  # pipelining stages this rank holds: index, count, their group's ranks
         self._last: float | None = None  # the origin is the world group's creation
         self._lock = threading.Lock()
 
@@ -81,6 +84,23 @@ class RoleRecorder:
             self.iterations += 1
             self.events.append(["mark", self._gap(clock())])
 
+    def note_mesh(self, shape, names) -> None:
+        """The script built a DeviceMesh; the largest one is the job's layout."""
+        if names is None or len(names) != len(shape):
+            return
+        size = 1
+        for s in shape:
+            size *= int(s)
+        mine = 1
+        for _, s in self.mesh or ():
+            mine *= s
+        if self.mesh is None or size > mine:
+            self.mesh = [[str(n), int(s)] for n, s in zip(names, shape)]
+
+    def note_stage(self, index: int, count: int, ranks: list[int]) -> None:
+        """The script built a pipeline stage."""
+        self.stages.append({"index": int(index), "count": int(count), "ranks": [int(r) for r in ranks]})
+
     def write(self) -> None:
         """Write the program (the launcher renames it once the run has ended well)."""
         mine = TABLE.containing(self.rank)
@@ -90,6 +110,8 @@ class RoleRecorder:
             "rank": self.rank,
             "groups": [len(TABLE.groups[i]) for i in mine],
             "iterations": self.iterations,
+            "mesh": self.mesh,
+            "stages": self.stages,
             "events": self.events,
         }
         tmp = f"{self.path}.tmp"

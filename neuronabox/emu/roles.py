@@ -47,7 +47,7 @@ from ..errors import InputError
 __all__ = [
     "Roles", "parse_roles", "parse_mesh", "RoleProgram", "ProfileMeta", "read_profile", "check_profile", "load_profile",
     "command_digest",
-    "FORMAT", "MANIFEST", "PARTIAL", "PAYLOAD_BYTES",
+    "FORMAT", "MANIFEST", "PARTIAL", "PAYLOAD_BYTES", "merge_runs", "deferred", "infer_roles",
 ]
 
 FORMAT = "nbox-roles/1"
@@ -185,6 +185,42 @@ def _mesh_roles(spec: str, dims: list[str], world: int, mesh: str | None) -> Rol
     return Roles(role_names, tuple(tuple(groups[k]) for k in keys), f"{spec} over {mesh}")
 
 
+def deferred(spec: str) -> bool:
+    """Whether ``spec`` needs what the script tells (``auto``, or mesh dimensions without ``--mesh``)."""
+    parts = [p.strip() for p in spec.split(",")]
+    return spec.strip() == "auto" or all(_NAME.match(p) for p in parts if p)
+
+
+def infer_roles(spec: str, world: int, mesh: str | None, recorded: dict) -> Roles:
+    """The roles of ``spec`` given what rank 0's profiling run recorded (its mesh, its pipeline stages).
+
+    ``auto``: the mesh's ``pp`` and ``ep`` dimensions; else the pipeline stages (each stage's
+    ranks one role, the stage group's stride telling the layout); else an ``InputError``.
+    """
+    shape = recorded.get("mesh")
+    mesh_text = mesh or (",".join(f"{n}={s}" for n, s in shape) if shape else None)
+    if spec.strip() != "auto":
+        if not mesh_text:
+            raise InputError(f"--roles {spec!r} names mesh dimensions, but the script built no DeviceMesh with "
+                             "dimension names: give --mesh (e.g. --mesh pp=2,dp=4) or rank sets")
+        return parse_roles(spec, world, mesh_text)
+    if shape:
+        dims = [n for n, _ in shape if n in ("pp", "ep")]
+        if dims:
+            return parse_roles(",".join(dims), world, mesh_text)
+    stages = recorded.get("stages") or []
+    if stages:
+        group = stages[0]["ranks"]
+        p = len(group)
+        stride = group[1] - group[0] if p > 1 else 1
+        if p > 1 and group == [group[0] + i * stride for i in range(p)] and world % p == 0 and group[0] == 0:
+            sets = [tuple(r for r in range(world) if (r // stride) % p == i) for i in range(p)]
+            if sorted(r for s in sets for r in s) == list(range(world)):
+                return Roles(tuple(f"stage{i}" for i in range(p)), tuple(sets), f"auto: {p} pipeline ranks")
+    raise InputError("--roles auto: the script tells no layout (no DeviceMesh with a pp or ep dimension, no "
+                     "pipeline stage group); name the roles: --roles 0,1 or --roles pp --mesh pp=2,dp=4")
+
+
 def _short(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
@@ -224,6 +260,30 @@ class ProfileMeta:
     torch: str
     roles: Roles
     programs: dict[str, RoleProgram]
+
+
+def merge_runs(runs: Sequence[dict]) -> dict:
+    """One role file from several recordings of the same role: each event's gap is the median of its runs'.
+
+    One run of a CPU process reads its compute 10-20% off another's on a busy machine (whole
+    runs, not iterations, differ); the median of a few is the program the role typically runs.
+    The runs must have made the same calls; a ``ValueError`` says where they part.
+    """
+    first = runs[0]
+    events = first["events"]
+    for k, other in enumerate(runs[1:], 2):
+        theirs = other["events"]
+        for i, (a, b) in enumerate(zip(events, theirs)):
+            if a[0] != b[0] or a[2:7] != b[2:7]:
+                raise ValueError(f"run {k} of role {first['role']} made another call at entry {i} ({b[:1] + b[2:7]} "
+                                 f"against {a[:1] + a[2:7]}): its program depends on timing or data")
+        if len(theirs) != len(events):
+            raise ValueError(f"run {k} of role {first['role']} made {len(theirs)} calls, run 1 {len(events)}")
+    merged = []
+    for i, e in enumerate(events):
+        gaps = sorted(r["events"][i][1] for r in runs)
+        merged.append([e[0], gaps[len(gaps) // 2]] + list(e[2:]))
+    return {**first, "events": merged, "runs": len(runs)}
 
 
 def _fail(path: Path, what: str) -> InputError:
