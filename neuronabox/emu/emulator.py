@@ -25,7 +25,7 @@ from .role_record import RoleRecorder
 from .roles import read_profile
 from .host_coupling import HostCoupling, busy_rate_from_profile
 from .spin_stall import SpinStall
-from .straggler import ComputeSkew, compute_factors
+from .straggler import ComputeSkew, compute_factors, role_factors
 from .timeline import Recorder, StragglerHook, Timeline, Waker
 
 __all__ = [
@@ -130,7 +130,13 @@ class Emulator:
         if os.environ.get(ENV_ROLE_PROFILE):
             partial = os.environ.get(ENV_ROLE_PARTIAL) == "1"  # nbox profile: the roles recorded so far
             profile_meta = read_profile(Path(os.environ[ENV_ROLE_PROFILE]), partial=partial)
-            self.replay = Replay(profile_meta, real_rank, TABLE, self.model)
+            self.replay = Replay(profile_meta, real_rank, TABLE, self.model, self.world_size,
+                                 role_factors(topology, profile_meta.roles if profile_meta.world_size == self.world_size
+                                              else None))
+            if isinstance(self.straggler, ComputeSkew):
+                # Replayed ranks carry their own slowness; the clones' hook keeps the rest.
+                for rank in self.replay.actors_ranks():
+                    self.straggler.factors.pop(rank, None)
             self.recorder.iteration_listeners.append(self.replay.real_mark)
 
     def roles_start(self) -> None:

@@ -416,7 +416,7 @@ def _write_record(path: str) -> None:
         "ops": [r.as_dict(rec.t0) for r in rec.ops],
     }
     if emu.replay is not None:
-        data["roles"] = emu.replay.summary()
+        data["roles"] = emu.replay.summary(rec.t0)
         data["roles"]["_real"] = {"rank": emu.real_rank, "role": emu.replay.roles.role_of(emu.real_rank)}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f)

@@ -31,7 +31,7 @@ from typing import Callable
 from ..collectives import Op
 from ..model.base import CommModel, Group
 from .group_table import GroupTable
-from .roles import ProfileMeta, RoleProgram
+from .roles import ProfileMeta, RoleProgram, roles_for_world
 from .timeline import OpRecord
 
 __all__ = ["Replay", "Instance", "Actor", "ENV_ROLE_PROFILE", "ENV_ROLE_PARTIAL", "LOOKAHEAD"]
@@ -39,6 +39,7 @@ __all__ = ["Replay", "Instance", "Actor", "ENV_ROLE_PROFILE", "ENV_ROLE_PARTIAL"
 ENV_ROLE_PROFILE = "NBOX_ROLE_PROFILE"
 ENV_ROLE_PARTIAL = "NBOX_ROLE_PARTIAL"  # "1": the profile being recorded (roles.PARTIAL)
 LOOKAHEAD = 2  # iterations an actor may run ahead of the real rank
+TRACE_CALLS = 50_000  # an actor's calls kept for the trace
 
 
 class Instance:
@@ -67,9 +68,10 @@ class Instance:
 class Actor:
     """An emulated rank walking its role's program."""
 
-    def __init__(self, rank: int, program: RoleProgram, origin: float):
+    def __init__(self, rank: int, program: RoleProgram, origin: float, factor: float = 1.0):
         self.rank = rank
         self.program = program
+        self.factor = factor  # a straggler computes this many times slower than its role's profile
         self.events = program.events
         self.cursor = 0
         self.t = origin
@@ -78,7 +80,9 @@ class Actor:
         self.ops: dict[int, Instance] = {}
         self.unwaited: set[int] = set()
         self.marks: list[float] = []
-        self.waited: list[float] = [0.0]  # seconds blocked per iteration (the bubble)
+        self.waited: list[float] = [0.0]  # seconds blocked per iteration
+        self.bubble: list[float] = [0.0]  # of which before the op could start (waiting for other ranks)
+        self.calls: list[tuple[str, float, Instance]] = []  # (op, arrival, instance) for the trace
         self.lost = False  # its program did not fit this run
         self.finished = False
 
@@ -95,14 +99,24 @@ class Actor:
 class Replay:
     """The actors of the real rank's replica and the op instances they share with it."""
 
-    def __init__(self, profile: ProfileMeta, real: int, table: GroupTable, model: CommModel):
+    def __init__(self, profile: ProfileMeta, real: int, table: GroupTable, model: CommModel,
+                 world_size: int | None = None, stragglers: dict[int, float] | None = None):
         self.profile = profile
-        self.roles = profile.roles
+        self.roles = roles_for_world(profile, world_size or profile.world_size)
         self.real = real
         self.table = table
         self.model = model
         self.actors: dict[int, Actor] = {}
-        self._actor_ranks = {r: n for r, n in self.roles.actors(real).items() if n in profile.programs}
+        actors = self.roles.actors(real)
+        # A straggler (what-if) of another role runs its role's program slower: it gets an actor of
+        # its own, so one slow rank of a replica holds back only the groups it is in. One of the
+        # real rank's own role stays a slow clone of it (straggler.ComputeSkew), as without roles.
+        mine = self.roles.role_of(real)
+        self.factors = {r: f for r, f in (stragglers or {}).items()
+                        if f != 1.0 and r != real and self.roles.role_of(r) != mine}
+        for r in self.factors:
+            actors.setdefault(r, self.roles.role_of(r))
+        self._actor_ranks = {r: n for r, n in actors.items() if n in profile.programs}
         self.instances: dict[tuple, Instance] = {}
         self.next_seq: dict[tuple, int] = {}
         self.last_end: dict[tuple, float] = {}
@@ -119,12 +133,16 @@ class Replay:
     def start(self, origin: float) -> None:
         """The world group exists: the actors' clocks start here, as the recorded gaps do."""
         for rank, name in self._actor_roles.items():
-            self.actors[rank] = Actor(rank, self.profile.programs[name], origin)
+            self.actors[rank] = Actor(rank, self.profile.programs[name], origin, self.factors.get(rank, 1.0))
 
     @property
     def _actor_roles(self) -> dict[int, str]:
         # While a profile is recorded, roles not yet recorded have no program: they stay clones.
         return self._actor_ranks
+    def actors_ranks(self) -> list[int]:
+        """The ranks that follow a recorded program."""
+        return list(self._actor_ranks)
+
     def participants(self, ranks: tuple[int, ...]) -> frozenset:
         """The actors and the real rank among ``ranks``."""
         return frozenset(r for r in ranks if r == self.real or r in self._actor_roles)
@@ -303,7 +321,7 @@ class Replay:
             if kind == "mark" and len(a.marks) >= self.real_iterations + LOOKAHEAD:
                 return moved
             if not a.gap_applied:
-                a.t += e[1]
+                a.t += e[1] * a.factor
                 a.gap_applied = True
             if kind == "op":
                 if not self._actor_op(a, e):
@@ -313,18 +331,19 @@ class Replay:
                 if inst is not None:
                     if inst.end is None:
                         return moved
-                    self._wait_until(a, inst.end)
+                    self._wait_for(a, inst)
                     a.unwaited.discard(e[2])
             elif kind == "sync":
-                pending = [a.ops[k] for k in a.unwaited]
+                pending = sorted((a.ops[k] for k in a.unwaited), key=lambda i: i.end if i.end is not None else 0.0)
                 if any(i.end is None for i in pending):
                     return moved
                 for i in pending:
-                    self._wait_until(a, i.end)
+                    self._wait_for(a, i)
                 a.unwaited.clear()
             else:  # mark
                 a.marks.append(a.t)
                 a.waited.append(0.0)
+                a.bubble.append(0.0)
             a.cursor += 1
             a.gap_applied = False
             moved = True
@@ -335,10 +354,12 @@ class Replay:
                     self._resolve(inst)
         return moved
 
-    def _wait_until(self, a: Actor, end: float) -> None:
-        if end > a.t:
-            a.waited[-1] += end - a.t
-            a.t = end
+    @staticmethod
+    def _wait_for(a: Actor, inst: Instance) -> None:
+        if inst.end > a.t:
+            a.waited[-1] += inst.end - a.t
+            a.bubble[-1] += max(0.0, min(inst.start, inst.end) - a.t)
+            a.t = inst.end
 
     def _actor_op(self, a: Actor, e: tuple) -> bool:
         ordinal, opname, nbytes, peer, send = e[2:7]
@@ -361,6 +382,8 @@ class Replay:
             inst.payload = e[7]
         a.ops[a.cursor] = inst
         a.unwaited.add(a.cursor)
+        if len(a.calls) < TRACE_CALLS:
+            a.calls.append((opname, a.t, inst))
         return True
 
     def _lose(self, a: Actor, why: str) -> None:
@@ -369,18 +392,22 @@ class Replay:
 
     # --- reports -------------------------------------------------------------------------------------------
 
-    def summary(self) -> dict:
-        """Per role: the replayed rank, its iteration times and its waits (bubble) per iteration."""
+    def summary(self, t0: float = 0.0) -> dict:
+        """Per role: the replayed rank, its iteration times, its waits and bubble per iteration, its calls (times since ``t0``)."""
         out = {}
         with self._lock:
             for rank, a in self.actors.items():
+                n = len(a.marks)
                 out[a.program.name] = {
                     "rank": rank,
                     "iterations": a.iteration_times(),
-                    "first_iteration_end": a.marks[0] if a.marks else None,
-                    "waited": a.waited[: len(a.marks)],
+                    "marks": [m - t0 for m in a.marks],
+                    "waited": a.waited[:n],
+                    "bubble": a.bubble[:n],
                     "events_replayed": a.cursor,
                     "events": len(a.events),
+                    "calls": [[op, t - t0, i.start - t0, i.end - t0] for op, t, i in a.calls
+                              if i.end is not None and (n == 0 or t <= a.marks[-1])],
                 }
             out["_forced"] = self.forced
         return out

@@ -48,6 +48,7 @@ __all__ = [
     "Roles", "parse_roles", "parse_mesh", "RoleProgram", "ProfileMeta", "read_profile", "check_profile", "load_profile",
     "command_digest",
     "FORMAT", "MANIFEST", "PARTIAL", "PAYLOAD_BYTES", "merge_runs", "deferred", "infer_roles",
+    "roles_for_world",
 ]
 
 FORMAT = "nbox-roles/1"
@@ -382,13 +383,34 @@ def read_profile(folder: Path, partial: bool = False) -> ProfileMeta:
                        _field(data, "digest", str, manifest), _field(data, "torch", str, manifest), roles, programs)
 
 
+_DATA_DIMS = ("dp", "dp_replicate", "dp_shard", "data", "replica")
+
+
+def roles_for_world(meta: ProfileMeta, world: int) -> Roles:
+    """The profile's roles in a world of ``world`` ranks: mesh roles grow their data-parallel dimension (what-if)."""
+    if world == meta.world_size:
+        return meta.roles
+    why = f"recorded for world size {meta.world_size}, this run has {world}"
+    dims, sep, mesh = meta.roles.spec.partition(" over ")
+    if not sep:
+        raise _fail(meta.path / MANIFEST, f"{why}; only roles over mesh dimensions (--roles pp) follow the world's size")
+    shape = [(n, int(v)) for n, _, v in (d.partition("=") for d in mesh.split(","))]
+    role_dims = {d.strip() for d in dims.split(",")}
+    free = [n for n, _ in shape if n not in role_dims]
+    data = next((n for n in free if n in _DATA_DIMS), free[0] if free else None)
+    if data is None or world % (meta.world_size // dict(shape)[data]):
+        raise _fail(meta.path / MANIFEST, f"{why}; its mesh {mesh} has no data-parallel dimension that grows to it")
+    grown = ",".join(f"{n}={v * world // meta.world_size if n == data else v}" for n, v in shape)
+    return parse_roles(dims, world, grown)
+
+
 def check_profile(meta: ProfileMeta, *, topology: str, world_size: int, device: str, command: Sequence[str],
                   torch_version: str) -> None:
     """Refuse a profile recorded for another run: the first mismatch, as an ``InputError``."""
     manifest = meta.path / MANIFEST
+    roles_for_world(meta, world_size)  # another world: only mesh roles grow to it
     for key, recorded, now in (
         ("topology", meta.topology, topology),
-        ("world size", meta.world_size, world_size),
         ("device", meta.device, device),
         ("torch", meta.torch, torch_version),
     ):

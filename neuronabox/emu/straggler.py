@@ -27,7 +27,7 @@ from ..model.base import Group
 from ..topology import Topology
 from .timeline import Recorder, clock
 
-__all__ = ["ComputeSkew", "compute_factors"]
+__all__ = ["ComputeSkew", "compute_factors", "role_factors"]
 
 
 def compute_factors(topology: Topology, real_rank: int) -> dict[int, float]:
@@ -39,6 +39,25 @@ def compute_factors(topology: Topology, real_rank: int) -> dict[int, float]:
         for rank in node.rank_range:
             f = node.compute_slowdown * stragglers.get(rank, 1.0) / base
             if f > 1.0:
+                out[rank] = f
+    return out
+
+
+def role_factors(topology: Topology, roles=None) -> dict[int, float]:
+    """Ranks that compute slower than their role's profile (what-if stragglers, slower nodes) -> how many times.
+
+    A profile was recorded on its role's first rank, on the topology as written (no what-if):
+    a rank is slower by its own factor over that rank node's (``roles``: a ``roles.Roles``).
+    """
+    stragglers = topology.whatif.stragglers
+    out: dict[int, float] = {}
+    for node in topology.nodes:
+        for rank in node.rank_range:
+            f = node.compute_slowdown * stragglers.get(rank, 1.0)
+            if roles is not None:
+                rep = roles.representative(roles.role_of(rank))
+                f /= topology.node_of(rep).compute_slowdown
+            if f != 1.0:
                 out[rank] = f
     return out
 

@@ -104,16 +104,20 @@ def _roles(replayed: dict[str, Any] | None, warmup: int, timed: list[float], exp
     real = replayed.get("_real", {})
     out: dict[str, Any] = {}
     if real:
+        # The real rank's waits are measured whole: they hold its bubble and its exposed communication.
         out[real["role"]] = {"rank": real["rank"], "real": True, "iteration_time": _stats(timed),
-                             "bubble_per_iteration": _stats(exposed)}
+                             "waiting_per_iteration": _stats(exposed)}
     for name, r in replayed.items():
         if name.startswith("_"):
             continue
-        # An actor's first mark counts from the world's creation, as the real rank's first iteration does.
+        # An actor's iterations run from mark to mark: its first one ends at index 1 of the real rank's.
         its = r["iterations"]
+        waited, bubble = r["waited"][warmup:], r["bubble"][warmup:]
         out[name] = {"rank": r["rank"], "real": False, "iteration_time": _stats(its[max(0, warmup - 1):]),
-                     "bubble_per_iteration": _stats(r["waited"][warmup:]),
-                     "events_replayed": f"{r['events_replayed']} of {r['events']}"}
+                     "waiting_per_iteration": _stats(waited), "bubble_per_iteration": _stats(bubble),
+                     "exposed_per_iteration": _stats([w - b for w, b in zip(waited, bubble)]),
+                     "events_replayed": f"{r['events_replayed']} of {r['events']}",
+                     "marks": r.get("marks", []), "calls": r.get("calls", [])}
     if replayed.get("_forced"):
         out["_forced_ops"] = replayed["_forced"]
     return out
@@ -215,13 +219,17 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
 
 def _roles_table(roles: dict[str, Any]) -> Table:
     """One row per role: the real rank's measured, the others' replayed from their programs."""
-    t = Table(title="roles (measured iterations)", title_justify="left")
-    for col in ("role", "rank", "runs", "iteration", "bubble", "bubble share"):
+    t = Table(title="roles (measured iterations; medians per iteration)", title_justify="left")
+    for col in ("role", "rank", "runs", "iteration", "waiting", "bubble", "exposed comm"):
         t.add_column(col, justify="left" if col in ("role", "runs") else "right")
     for name, r in roles.items():
         if name.startswith("_"):
             continue
-        it, bub = r["iteration_time"].get("median"), r["bubble_per_iteration"].get("median")
-        share = f"{bub / it:.1%}" if it and bub is not None else "-"
-        t.add_row(name, str(r["rank"]), "real" if r["real"] else "replayed", _t(it), _t(bub), share)
+        it, wait = r["iteration_time"].get("median"), r["waiting_per_iteration"].get("median")
+        share = f" ({wait / it:.0%})" if it and wait is not None else ""
+        bub = r.get("bubble_per_iteration", {}).get("median")
+        exp = r.get("exposed_per_iteration", {}).get("median")
+        # The real rank's waits are not split: which part waited for a replayed rank is the model's.
+        t.add_row(name, str(r["rank"]), "real" if r["real"] else "replayed", _t(it), _t(wait) + share,
+                  _t(bub) if not r["real"] else "-", _t(exp) if not r["real"] else "-")
     return t
