@@ -253,8 +253,9 @@ class Replay:
             listeners, inst.listeners = inst.listeners, []
             for fn in listeners:
                 fn(inst.end)
+            if len(inst.arrivals) == len(inst.participants):
+                del self.instances[inst.key]  # nobody arrives at it again: a long run keeps only open ops
             inst = self.instances.get(chan + (seq + 1,))
-        # Resolved instances stay only while an actor may still refer to them.
 
     def _gone(self, rank: int) -> bool:
         actor = self.actors.get(rank)
@@ -333,12 +334,15 @@ class Replay:
                         return moved
                     self._wait_for(a, inst)
                     a.unwaited.discard(e[2])
+                    del a.ops[e[2]]
             elif kind == "sync":
                 pending = sorted((a.ops[k] for k in a.unwaited), key=lambda i: i.end if i.end is not None else 0.0)
                 if any(i.end is None for i in pending):
                     return moved
                 for i in pending:
                     self._wait_for(a, i)
+                for k in a.unwaited:
+                    del a.ops[k]
                 a.unwaited.clear()
             else:  # mark
                 a.marks.append(a.t)
