@@ -14,9 +14,11 @@ For each workload (examples/: a hand-written GPipe pipeline of 2 and 4 stages, t
 torch.distributed.pipelining 1F1B schedule with 2 and 4 stages, a 4-expert MoE step with
 uneven load), with stages or experts of unequal cost:
 
-1. ``nbox profile`` records every role's program (one role per stage or expert rank:
-   ``--roles auto`` where torch tells the stages, rank sets otherwise; ``--repeats`` runs per
-   role, each call's compute the median);
+1. the first validation (rank 0's) records every role's program on its cluster (``nbox
+   validate --roles``: one role per stage or expert rank, ``auto`` where torch tells the
+   stages, rank sets otherwise), each role's rank under the load twin as the emulated runs
+   will be (``--alone``: ``nbox profile``, each role alone on the machine), ``--profile-repeats``
+   runs per role, each call's compute the median;
 2. for every rank R of the world, ``nbox validate --rank R --role-profile DIR --modes
    model,real-again`` runs the real system (every rank real, each in its node's namespace of a
    netns cluster, gloo over the shaped 1 Gbit/s links, pinned round robin to the cores) and
@@ -78,11 +80,12 @@ def nbox(*args: str, log: Path) -> subprocess.CompletedProcess:
 
 
 def validate(topo: Path, command: list[str], rank: int, profile: Path | None, repeats: int, work: Path,
-             log: Path) -> dict:
-    """One ``nbox validate`` of ``rank``: the real system, the emulated run, real-again."""
+             log: Path, record: list[str] = ()) -> dict:
+    """One ``nbox validate`` of ``rank``: the real system, the emulated run, real-again (``record``: validate's
+    ``--roles`` arguments, to record ``profile`` first)."""
     out = work / f"validate-{rank}-{'roles' if profile else 'clones'}.json"
     args = ["validate", str(topo), "--rank", str(rank), "--modes", "model,real-again", "--repeats", str(repeats),
-            "--tolerance", f"{TOLERANCE:.0%}", "--json", str(out)]
+            "--tolerance", f"{TOLERANCE:.0%}", "--json", str(out), *record]
     if profile is not None:
         args += ["--role-profile", str(profile)]
     r = nbox(*args, "--", *command, log=log)
@@ -104,7 +107,8 @@ def validate(topo: Path, command: list[str], rank: int, profile: Path | None, re
     }
 
 
-def run_workload(name: str, steps: int, repeats: int, profile_repeats: int, work: Path, log: Path) -> dict:
+def run_workload(name: str, steps: int, repeats: int, profile_repeats: int, work: Path, log: Path,
+                 alone: bool = False) -> dict:
     """Profile a workload's roles, then validate every rank with them (and the baseline without)."""
     world, spec, script = WORKLOADS[name]
     topo = work / f"topo{world}.yaml"
@@ -112,12 +116,18 @@ def run_workload(name: str, steps: int, repeats: int, profile_repeats: int, work
     command = [PY, *script, "--steps", str(steps)]
     prof = work / f"{name}-roles"
     t0 = time.perf_counter()
-    r = nbox("profile", str(topo), "--roles", spec, "--repeats", str(profile_repeats), "-o", str(prof), "--",
-             *command, log=log)
-    if r.returncode != 0:
-        raise SystemExit(f"nbox profile of {name} failed (status {r.returncode}); see {log}")
+    if alone:
+        r = nbox("profile", str(topo), "--roles", spec, "--repeats", str(profile_repeats), "-o", str(prof), "--",
+                 *command, log=log)
+        if r.returncode != 0:
+            raise SystemExit(f"nbox profile of {name} failed (status {r.returncode}); see {log}")
+        rows = [validate(topo, command, rank, prof, repeats, work, log) for rank in range(world)]
+    else:
+        # The first validation records the profile on its cluster, each role under the load twin.
+        record = ["--roles", spec, "--role-repeats", str(profile_repeats)]
+        rows = [validate(topo, command, 0, prof, repeats, work, log, record)]
+        rows += [validate(topo, command, rank, prof, repeats, work, log) for rank in range(1, world)]
     roles = json.loads((prof / "profile.json").read_text())["roles"]
-    rows = [validate(topo, command, rank, prof, repeats, work, log) for rank in range(world)]
     if name in BASELINE:
         rows += [validate(topo, command, rank, None, repeats, work, log) for rank in range(world)]
     for row in rows:
@@ -137,7 +147,7 @@ def render(doc: dict) -> str:
         f"Date: {doc['date']}; machine: {doc['machine']}; load average before {doc['load_before']}, "
         f"after {doc['load_after']}.  ",
         f"{doc['repeats']} interleaved runs of each system per row, {doc['steps']} steps a run (the first left out), "
-        f"profiles of {doc['profile_repeats']} runs per role; 1 Gbit/s 100 us links (netns, tbf, the delay relay); "
+        f"profiles of {doc['profile_repeats']} runs per role, recorded {doc.get('profiled', 'alone')}; 1 Gbit/s 100 us links (netns, tbf, the delay relay); "
         "real system: gloo, every rank real, pinned round robin to the 2 cores; nbox: model mode, alpha-beta, "
         "the load twin on.",
         "",
@@ -170,6 +180,8 @@ def main() -> None:
     p.add_argument("--profile-repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--quick", action="store_true", help="2 repeats, 20 steps, 1 profiling run per role")
+    p.add_argument("--alone", action="store_true",
+                   help="profile with nbox profile (each role alone on the machine), not under the load twin")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "roles.md")
     args = p.parse_args()
     if args.quick:
@@ -185,14 +197,17 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()}, kernel {platform.release()})",
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-        "repeats": args.repeats, "steps": args.steps, "profile_repeats": args.profile_repeats, "workloads": [],
+        "repeats": args.repeats, "steps": args.steps, "profile_repeats": args.profile_repeats,
+        "profiled": "alone (nbox profile)" if args.alone else "under the load twin (nbox validate --roles)",
+        "workloads": [],
     }
     with tempfile.TemporaryDirectory(prefix="nbox-roles-bench-") as tmp:
         work = Path(tmp)
         log = args.out.with_suffix(".log")
         log.unlink(missing_ok=True)
         for name in names:
-            doc["workloads"].append(run_workload(name, args.steps, args.repeats, args.profile_repeats, work, log))
+            doc["workloads"].append(run_workload(name, args.steps, args.repeats, args.profile_repeats, work, log,
+                                                 args.alone))
             doc["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
             args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
             args.out.write_text(render(doc))

@@ -105,8 +105,14 @@ def validate(
     logs: Optional[Path] = typer.Option(None, "--logs", help="Keep every run's output in this folder."),
     rank: Optional[int] = typer.Option(None, "--rank", help="The emulated runs' real rank (default: the topology's)."),
     role_profile: Optional[Path] = typer.Option(
-        None, "--role-profile", help="The emulated runs replay the other roles from this folder (nbox profile)."
+        None, "--role-profile", help="The emulated runs replay the other roles from this folder (nbox profile); "
+        "with --roles, the profile is written there."
     ),
+    roles: Optional[str] = typer.Option(
+        None, "--roles", help="First record the role profile here, each role under the load twin (nbox profile's spec)."
+    ),
+    mesh: Optional[str] = typer.Option(None, "--mesh", help="With --roles: the device mesh, outermost first."),
+    role_repeats: int = typer.Option(3, "--role-repeats", help="With --roles: runs per role (median compute)."),
 ) -> None:
     """Run the real system and the emulated one on the same shaped network; print the error table (exit 1 past --tolerance).
     \f
@@ -131,6 +137,8 @@ def validate(
         raise InputError("--calibrate-ops: only read with --calibrate")
     if calibrate_sizes != DEFAULT_SIZES and not calibrate:
         raise InputError("--calibrate-sizes: only read with --calibrate")
+    if (mesh is not None or role_repeats != 3) and roles is None:
+        raise InputError("--mesh and --role-repeats: only read with --roles")
     cal_ops = parse_ops(calibrate_ops, "--calibrate-ops") if calibrate else None
     cal_sizes = parse_size_range(calibrate_sizes, "--calibrate-sizes") if calibrate else None
     if not command:
@@ -140,7 +148,7 @@ def validate(
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
                        keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes, real_rank=rank,
-                       role_profile=role_profile)
+                       role_profile=role_profile, roles=roles, mesh=mesh, role_repeats=role_repeats)
     rows = error_table(v)
     twin_note = f", load twin rank(s) {','.join(map(str, v.twin_ranks))}" if v.twin_ranks else ", no load twin"
     t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "

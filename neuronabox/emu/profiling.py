@@ -28,8 +28,8 @@ from ..topology import Topology
 from .replay import ENV_ROLE_PARTIAL, ENV_ROLE_PROFILE
 from .role_record import ENV_ROLE_NAME, ENV_ROLE_RECORD
 from .roles import (
-    FORMAT, MANIFEST, PARTIAL, ProfileMeta, Roles, check_profile, command_digest, infer_roles, merge_runs,
-    read_profile,
+    FORMAT, MANIFEST, PARTIAL, ProfileMeta, Roles, check_profile, command_digest, deferred, infer_roles, merge_runs,
+    parse_roles, read_profile,
 )
 from .runner import describe_exit, run_command
 
@@ -77,6 +77,8 @@ def record_profile(
     """
     if repeats < 1:
         raise InputError(f"--repeats: must be 1 or more, got {repeats}")
+    if isinstance(roles, str) and not (deferred(roles) and not mesh):
+        roles = parse_roles(roles, topology.world_size, mesh)
     if isinstance(roles, Roles) and roles.world_size != topology.world_size:
         raise InputError(f"--roles: the roles cover {roles.world_size} ranks, the world has {topology.world_size}")
     out = Path(out)

@@ -355,7 +355,7 @@ def _run_emulated(
     topo_file: Path, command: Sequence[str], mode: str, report: Path, core: int, cluster: str | None,
     model: str | None, profile: Path | None, log: Path | None, timeout: float = 900.0,
     twins: Sequence[tuple[int, int]] = (), say: Callable[[str], None] = lambda m: None,
-    rank: int | None = None, role_profile: Path | None = None,
+    rank: int | None = None, role_profile: Path | None = None, extra_env: dict[str, str] | None = None,
 ) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("NBOX_RECORD", "NBOX_RECORD_ONLY")}
     outs, twin_procs = [], []
@@ -388,7 +388,8 @@ def _run_emulated(
             outs.append(out)
         argv = _emulated_argv(topo_file, command, report, model, profile, mode=mode, cluster=cluster, rank=rank,
                               role_profile=role_profile)
-        p = subprocess.Popen(argv, env={**env, start_gate.ENV_LEAD: "1"}, stdin=subprocess.DEVNULL, stdout=out,
+        p = subprocess.Popen(argv, env={**env, **(extra_env or {}), start_gate.ENV_LEAD: "1"},
+                             stdin=subprocess.DEVNULL, stdout=out,
                              stderr=subprocess.STDOUT, preexec_fn=rank_preexec(None, core))
         t0 = time.monotonic()
         # A process that ends early (a twin that failed, or the measured rank) must not leave the
@@ -570,6 +571,9 @@ def run_validation(
     calibrate_sizes: tuple[int, int] | None = None,
     real_rank: int | None = None,
     role_profile: Path | None = None,
+    roles: str | None = None,
+    mesh: str | None = None,
+    role_repeats: int = 3,
 ) -> Validation:
     """Run the real and the emulated systems interleaved ``repeats`` times and compare their iteration times.
 
@@ -580,7 +584,9 @@ def run_validation(
     emulated systems on that profile, written to ``profile`` (else to ``keep_logs``, else dropped).
     ``real_rank``: the emulated runs' real rank, the one the real system records (default the
     topology's first real rank). ``role_profile``: the emulated runs (and their twins) replay the
-    other roles from it (``nbox run --role-profile``).
+    other roles from it (``nbox run --role-profile``). ``roles``: first record that profile here
+    (``nbox profile``'s spec and ``mesh``), each role under the load twin (``_profile_here``),
+    ``role_repeats`` runs a role; written to ``role_profile`` if given.
     """
     from ..model.calibrated import with_profile
     from ..model.registry import create_model
@@ -599,7 +605,14 @@ def run_validation(
     topo = load_topology(topology_file)
     if real_rank is not None and not 0 <= real_rank < topo.world_size:
         raise InputError(f"--rank: rank {real_rank} is not in 0-{topo.world_size - 1}")
-    if role_profile is not None:
+    if roles is not None:
+        from ..emu.roles import deferred, parse_roles
+
+        if not (deferred(roles) and not mesh):
+            parse_roles(roles, topo.world_size, mesh)  # a bad spec fails before any cluster exists
+        if role_repeats < 1:
+            raise InputError(f"--role-repeats: must be 1 or more, got {role_repeats}")
+    elif role_profile is not None:
         from ..emu.profiling import replay_env
 
         replay_env(role_profile, topo, command, [real_rank or 0])  # a mismatched profile fails before any run
@@ -639,6 +652,9 @@ def run_validation(
             # cluster instance earlier reads this machine's state then (README, "Fidelity on one machine").
             profile = _calibrate_here(topo, up.name, calibrate_ops, calibrate_sizes, calibrated_to, keep_logs or tmp, say)
             effective = with_profile(topo, profile, None)
+        if roles is not None:
+            role_profile = _profile_here(topology_file, topo, command, roles, mesh, role_repeats, model, profile,
+                                         role_profile, tmp, logs, twin, say)
         # The emulated run's real rank gets the core that rank had in the real system.
         real_rank = topo.emulation.real_ranks[0] if real_rank is None else real_rank
         core0 = rank_cores(topo.world_size)[real_rank]
@@ -734,6 +750,47 @@ def _calibrate_here(topo, cluster: str, ops: Sequence, sizes: tuple[int, int] | 
     save_profile(doc, path)
     say(f"calibrated in {doc['meta']['seconds']:.0f} s: {path}")
     return path
+
+
+def _profile_here(topology_file: Path, topo, command: Sequence[str], spec: str, mesh: str | None, repeats: int,
+                  model: str | None, profile: Path | None, out: Path | None, tmp: Path, logs: Path, twin: bool,
+                  say) -> Path:
+    """Record the role profile on this machine as the runs will load it; the profile folder (``out``, else in ``tmp``).
+
+    A role's compute depends on what shares the machine with it: here the real system's other
+    ranks, and in an emulated run the load twin. So each role is recorded twice: alone
+    (``nbox profile``, which also tells the roles and what each sends), then as the emulated
+    runs are measured, its rank under the load twin, both replaying the first profile; the
+    second recording is the profile.
+    """
+    from ..emu.profiling import record_profile
+    from ..emu.role_record import ENV_ROLE_NAME, ENV_ROLE_RECORD
+    from ..emu.roles import MANIFEST, merge_runs
+
+    say(f"recording the roles ({spec}) alone")
+    alone, _ = record_profile(topo, command, spec, tmp / "roles-alone", model, mesh=mesh)
+    folder = Path(out if out is not None else tmp / "roles").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    cores = rank_cores(topo.world_size)
+    for name in alone.roles.names:
+        rank = alone.roles.representative(name)
+        twins = twin_ranks(topo.world_size, rank) if twin else []
+        runs = []
+        for k in range(repeats):
+            part = tmp / f"role-{name}-{k}.json"
+            env = {ENV_ROLE_RECORD: str(part), ENV_ROLE_NAME: name}
+            rc = _run_emulated(topology_file, command, "model", tmp / f"profile-{name}-{k}.json", cores[rank], None,
+                               model, profile, logs / f"profile-{name}-{k}.log", twins=twins, rank=rank,
+                               role_profile=alone.path, extra_env=env)
+            if rc != 0 or not part.exists():
+                raise RunFailed(f"recording role {name} (rank {rank}) under the load twin failed (status {rc}); "
+                                f"log {logs / f'profile-{name}-{k}.log'}")
+            runs.append(json.loads(part.read_text(encoding="utf-8")))
+        (folder / f"role-{name}.json").write_text(json.dumps(merge_runs(runs), separators=(",", ":")),
+                                                  encoding="utf-8")
+        say(f"role {name} (rank {rank}) recorded under the load twin ({repeats} runs)")
+    shutil.copy(alone.path / MANIFEST, folder / MANIFEST)
+    return folder
 
 
 def _teardown_abort_only(codes: list[int], recorded: int, record: Path) -> bool:
