@@ -38,6 +38,7 @@ __all__ = ["Replay", "Instance", "Actor", "ENV_ROLE_PROFILE", "ENV_ROLE_PARTIAL"
 
 ENV_ROLE_PROFILE = "NBOX_ROLE_PROFILE"
 ENV_ROLE_PARTIAL = "NBOX_ROLE_PARTIAL"  # "1": the profile being recorded (roles.PARTIAL)
+_OPS = {op.value: op for op in Op}
 LOOKAHEAD = 2  # iterations an actor may run ahead of the real rank
 TRACE_CALLS = 50_000  # an actor's calls kept for the trace
 
@@ -123,7 +124,8 @@ class Replay:
         self.real_counts: dict[tuple, int] = {}
         self.real_iterations = 0
         self._durations: dict[tuple, float] = {}
-        self._group_parts: dict[int, frozenset] = {}
+        self._chans: dict[tuple, tuple[frozenset, tuple[int, ...]]] = {}  # channel -> (participants, ranks)
+        self._groups: dict[tuple[int, int], int | None] = {}  # (actor, ordinal) -> group index
         self._lock = threading.RLock()
         self._warned: set[str] = set()
         self.forced = 0
@@ -194,15 +196,14 @@ class Replay:
         if op is Op.SEND_RECV:
             src, dst = (who, peer) if send else (peer, who)
             chan = ("p", index, src, dst)
-            parts = self.participants((src, dst))
-            group = tuple(sorted((src, dst)))
             root = 0 if src < dst else 1  # the model's direction of a pair, as the backend's p2p timelines
         else:
             chan = ("c", index)
-            parts = self._group_parts.get(index)
-            if parts is None:  # once per group: a world of thousands is scanned once, not per op
-                parts = self._group_parts[index] = self.participants(ranks)
-            group = ranks
+        hit = self._chans.get(chan)
+        if hit is None:  # once per channel: a world of thousands is scanned once, not per op
+            pair = (src, dst) if op is Op.SEND_RECV else ranks
+            hit = self._chans[chan] = (self.participants(pair), tuple(sorted(pair)) if op is Op.SEND_RECV else ranks)
+        parts, group = hit
         counts = self.real_counts if who == self.real else self.actors[who].counts
         seq = counts.get(chan, 0)
         counts[chan] = seq + 1
@@ -367,12 +368,14 @@ class Replay:
 
     def _actor_op(self, a: Actor, e: tuple) -> bool:
         ordinal, opname, nbytes, peer, send = e[2:7]
-        index = self.table.nth(a.rank, ordinal)
+        index = self._groups.get((a.rank, ordinal), -1)
+        if index == -1:
+            index = self._groups[(a.rank, ordinal)] = self.table.nth(a.rank, ordinal)
         if index is None:
             self._lose(a, f"its program uses group #{ordinal} of rank {a.rank}, which this run never created")
             return False
         ranks = self.table.groups[index]
-        op = Op(opname)
+        op = _OPS[opname]
         root = -1
         if op is Op.SEND_RECV:
             if not 0 <= peer < len(ranks):

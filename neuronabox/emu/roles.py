@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from ..collectives import Op
 from ..errors import InputError
 
 __all__ = [
@@ -310,7 +311,7 @@ def _field(data: dict, key: str, kind, path: Path):
     return value
 
 
-_EVENT_LEN = {"op": (7, 8), "wait": (3,), "sync": (2,), "mark": (2,)}
+_OPS = frozenset(o.value for o in Op)
 
 
 def _payload_ok(p) -> bool:
@@ -323,14 +324,21 @@ def _program(path: Path, name: str) -> RoleProgram:
     if data.get("format") != FORMAT:
         raise _fail(path, f"field 'format' is {data.get('format')!r}, expected {FORMAT!r}")
     events = _field(data, "events", list, path)
-    for i, e in enumerate(events):
-        if not (isinstance(e, list) and e and e[0] in _EVENT_LEN and len(e) in _EVENT_LEN[e[0]]
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                        for x in e[1:7] if not isinstance(x, str))
-                and isinstance(e[1], (int, float)) and e[1] >= 0 and (len(e) < 8 or _payload_ok(e[7]))):
+    num, ops = (int, float), _OPS
+    for i, e in enumerate(events):  # a loop a start-up pays per recorded call: plain checks, no generators
+        ok = type(e) is list and len(e) >= 2 and type(e[1]) in num and e[1] >= 0
+        kind = e[0] if ok else None
+        if kind == "op":
+            ok = (len(e) in (7, 8) and type(e[2]) is int and e[3] in ops and type(e[4]) is int
+                  and type(e[5]) is int and type(e[6]) is int and (len(e) == 7 or _payload_ok(e[7])))
+        elif kind == "wait":
+            ok = len(e) == 3 and type(e[2]) is int
+            if ok and not (0 <= e[2] < i and events[e[2]][0] == "op"):
+                raise _fail(path, f"events[{i}] waits on entry {e[2]!r}, which is no earlier op")
+        else:
+            ok = ok and kind in ("sync", "mark") and len(e) == 2
+        if not ok:
             raise _fail(path, f"events[{i}] is not a role event: {e!r:.80}")
-        if e[0] == "wait" and not (isinstance(e[2], int) and 0 <= e[2] < i and events[e[2]][0] == "op"):
-            raise _fail(path, f"events[{i}] waits on entry {e[2]!r}, which is no earlier op")
     groups = _field(data, "groups", list, path)
     if data.get("role") != name:
         raise _fail(path, f"field 'role' is {data.get('role')!r}, expected {name!r}")
