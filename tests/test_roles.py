@@ -248,3 +248,34 @@ def test_a_replica_s_actor_uses_its_own_groups():
     inst = rp.real_op(2, Op.SEND_RECV, send, peer=3, send=True)
     assert inst.key == ("p", 2, 1, 3, 0)
     assert send.end == pytest.approx(100.001)
+
+
+def test_a_mesh_profile_grows_its_data_parallel_dimension_with_the_world(tmp_path):
+    from neuronabox.emu.roles import Roles, roles_for_world
+
+    mesh = parse_roles("pp", 4, "pp=2,dp=2")
+    meta = ProfileMeta(tmp_path, "t", 4, "cpu", (), "", "", mesh, {})
+    grown = roles_for_world(meta, 8)
+    assert grown.sets == ((0, 1, 2, 3), (4, 5, 6, 7)) and grown.names == ("pp0", "pp1")
+    with pytest.raises(InputError, match="recorded for world size 4, this run has 7; its mesh pp=2,dp=2 has no"):
+        roles_for_world(meta, 7)
+    sets = ProfileMeta(tmp_path, "t", 2, "cpu", (), "", "", Roles(("r0", "r1"), ((0,), (1,)), "0,1"), {})
+    with pytest.raises(InputError, match="only roles over mesh dimensions"):
+        roles_for_world(sets, 4)
+
+
+def test_a_straggler_of_another_role_runs_its_program_slower():
+    slow = [["op", 0.010, 0, "send_recv", 64, 0, 0], ["wait", 0.0, 0], ["mark", 0.0]]
+    rp = _replay({"r0": [], "r1": slow}, [(0,), (1,)], real=0, groups=[(0, 1)])
+    fast = rp.real_op(0, Op.SEND_RECV, _rec(Op.SEND_RECV, 100.0), peer=1, send=True)
+    assert fast.start == pytest.approx(100.010)
+    from neuronabox.emu.roles import Roles
+
+    meta = ProfileMeta(None, "t", 2, "cpu", (), "", "", Roles(("r0", "r1"), ((0,), (1,)), "t"),
+                       {"r1": RoleProgram("r1", 1, (), tuple(tuple(e) for e in slow), 1)})
+    table = GroupTable()
+    table.start_world(2)
+    rp = Replay(meta, 0, table, Fixed(0.001), stragglers={1: 2.0})
+    rp.start(100.0)
+    late = rp.real_op(0, Op.SEND_RECV, _rec(Op.SEND_RECV, 100.0), peer=1, send=True)
+    assert late.start == pytest.approx(100.020)
