@@ -279,3 +279,30 @@ def test_a_straggler_of_another_role_runs_its_program_slower():
     rp.start(100.0)
     late = rp.real_op(0, Op.SEND_RECV, _rec(Op.SEND_RECV, 100.0), peer=1, send=True)
     assert late.start == pytest.approx(100.020)
+
+
+def test_a_future_on_an_op_no_later_call_resolves_completes_after_a_while():
+    # DDP waits on its futures from C++: no Python call of the real rank comes to resolve a pending
+    # op there, so after FORCE_AFTER_S without a call it is taken to have its ranks there.
+    import time
+    from types import SimpleNamespace
+
+    pytest.importorskip("torch")
+    from neuronabox.emu import backend
+    from neuronabox.emu.timeline import Waker, clock
+
+    rp = _replay({"r0": [], "r1": PIPE}, [(0,), (1,)], real=0, groups=[(0, 1)], origin=clock())
+    recv = _rec(Op.SEND_RECV, clock())
+    inst = rp.real_op(0, Op.SEND_RECV, recv, peer=1, send=False)
+    assert inst.end is None  # stage 1 first waits for a send the real rank never makes
+    waker = Waker()
+    try:
+        work = backend.ReplayedWork(recv, [], SimpleNamespace(replay=rp, waker=waker), inst)
+        fut = work.get_future()
+        t0 = time.monotonic()
+        while not fut.done() and time.monotonic() - t0 < backend.FORCE_AFTER_S + 3:
+            time.sleep(0.05)
+        assert fut.done() and inst.forced
+        assert time.monotonic() - t0 >= backend.FORCE_AFTER_S - 0.1
+    finally:
+        waker.stop()

@@ -48,6 +48,9 @@ __all__ = [
 BACKEND_NAME = "nbox"
 
 _RedOp = dist.ReduceOp.RedOpType
+# A replayed op that a future waits on, unresolved while the real rank made no call this long, is
+# taken to have all its ranks there (replay.py's forced resolution).
+FORCE_AFTER_S = 2.0
 _CPU = torch.device("cpu")
 _warned_cuda_fallback = False
 
@@ -338,7 +341,21 @@ class ReplayedWork(NboxWork):
                 self._deliver()
                 fut.set_result(result)
 
-            self._emu.replay.when_resolved(self._inst, lambda end: waker.at(end, complete))
+            replay, inst = self._emu.replay, self._inst
+            replay.when_resolved(inst, lambda end: waker.at(end, complete))
+            if inst.end is None:
+                # Torch may wait on this future from C++ (DDP's reducer), where no Python call of
+                # the real rank can come to resolve it: if none has come for a while, force it.
+                calls = replay.real_calls
+
+                def stalled(now: float) -> None:
+                    if inst.end is None:
+                        if replay.real_calls == calls:
+                            replay.settle(inst, force=True)
+                        else:
+                            waker.at(now + FORCE_AFTER_S, stalled)
+
+                waker.at(clock() + FORCE_AFTER_S, stalled)
         return self._future
 
 

@@ -124,6 +124,7 @@ class Replay:
         self.next_seq: dict[tuple, int] = {}
         self.last_end: dict[tuple, float] = {}
         self.real_counts: dict[tuple, int] = {}
+        self.real_calls = 0
         self.real_iterations = 0
         self._durations: dict[tuple, float] = {}
         self._chans: dict[tuple, tuple[frozenset, tuple[int, ...]]] = {}  # channel -> (participants, ranks)
@@ -160,6 +161,7 @@ class Replay:
     def real_op(self, index: int, op: Op, rec: OpRecord, peer: int = -1, send: bool = False) -> Instance:
         """The real rank called ``op`` on group ``index`` (``peer``: a p2p partner's global rank); its instance."""
         with self._lock:
+            self.real_calls += 1
             ranks = self.table.groups[index]
             inst = self._arrive(self.real, index, ranks, op, rec.nbytes, rec.root, peer, send, rec.ready + rec.extra)
             inst.records.append(rec)
