@@ -1,9 +1,9 @@
 """Roles: the real system against nbox run with any single real rank plus role profiles (issue 27's table).
 
-The command for the record (as root, on a quiet machine: nothing else running; about 40 min on
-the 2-core development machine):
+The command for the record (as root, on a quiet machine: nothing else running; 43 min on the
+2-core development machine):
 
-    .venv/bin/python benchmarks/roles.py
+    .venv/bin/python benchmarks/roles.py --repeats 4 --steps 50
 
 It writes ``benchmarks/results/roles.md`` and ``.json``. Other forms:
 
