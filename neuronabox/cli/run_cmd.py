@@ -94,7 +94,7 @@ def run(
             raise InputError("--role-profile: replay runs with one real rank; the others follow their roles' programs")
         if mode != "model":
             raise InputError("--role-profile: replay runs in model mode (--mode model)")
-        extra_env.update(replay_env(role_profile, topo, command or [], [real]))
+        extra_env.update(replay_env(role_profile, topo, command or []))
     with RunProgress(console, enabled=False if quiet else None):
         if launch.elastic():
             from ..emu.runner import run_real_ranks

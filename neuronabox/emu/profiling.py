@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -103,10 +104,8 @@ def record_profile(
                 # vote) is what they recorded, not a clone's zeros.
                 env.update({ENV_ROLE_PROFILE: str(out.resolve()), ENV_ROLE_PARTIAL: "1"})
             result = run_command(topology, command, rank, model=model, extra_env=env)
-            median = None
-            if result.record and result.record.get("iterations"):
-                its = sorted(result.record["iterations"][1:] or result.record["iterations"])
-                median = its[len(its) // 2]
+            its = (result.record or {}).get("iterations") or []
+            median = statistics.median(its[1:] or its) if its else None
             runs.append(RoleRun(name, rank, result.returncode, median))
             if result.returncode != 0:
                 raise RunFailed(f"profiling role {name} (rank {rank}): the command "
@@ -166,11 +165,9 @@ def record_profile(
     return read_profile(out), runs
 
 
-def replay_env(folder: Path, topology: Topology, command: Sequence[str], real_ranks: Sequence[int]) -> dict[str, str]:
+def replay_env(folder: Path, topology: Topology, command: Sequence[str]) -> dict[str, str]:
     """Check the profile ``folder`` against this run (exit 2 on a mismatch); the environment that replays it."""
     meta = read_profile(Path(folder))
     check_profile(meta, topology=topology.name, world_size=topology.world_size, device=topology_device(topology),
                   command=command, torch_version=torch_version())
-    if len(real_ranks) != 1:
-        raise InputError("--role-profile: replay runs with one real rank; the others are replayed from their roles")
     return {ENV_ROLE_PROFILE: str(Path(folder).resolve())}

@@ -119,6 +119,7 @@ class Replay:
                         if f != 1.0 and r != real and self.roles.role_of(r) != mine}
         for r in self.factors:
             actors.setdefault(r, self.roles.role_of(r))
+        # While a profile is recorded, roles not yet recorded have no program: they stay clones.
         self._actor_ranks = {r: n for r, n in actors.items() if n in profile.programs}
         self.instances: dict[tuple, Instance] = {}
         self.next_seq: dict[tuple, int] = {}
@@ -137,24 +138,19 @@ class Replay:
 
     def start(self, origin: float) -> None:
         """The world group exists: the actors' clocks start here, as the recorded gaps do."""
-        for rank, name in self._actor_roles.items():
+        for rank, name in self._actor_ranks.items():
             self.actors[rank] = Actor(rank, self.profile.programs[name], origin, self.factors.get(rank, 1.0))
-
-    @property
-    def _actor_roles(self) -> dict[int, str]:
-        # While a profile is recorded, roles not yet recorded have no program: they stay clones.
-        return self._actor_ranks
     def actors_ranks(self) -> list[int]:
         """The ranks that follow a recorded program."""
         return list(self._actor_ranks)
 
     def participants(self, ranks: tuple[int, ...]) -> frozenset:
         """The actors and the real rank among ``ranks``."""
-        return frozenset(r for r in ranks if r == self.real or r in self._actor_roles)
+        return frozenset(r for r in ranks if r == self.real or r in self._actor_ranks)
 
     def involves_actor(self, ranks: tuple[int, ...]) -> bool:
         """Whether a group of the real rank holds an actor (its ops replay; others stay clones)."""
-        return any(r in self._actor_roles for r in ranks)
+        return any(r in self._actor_ranks for r in ranks)
 
     # --- the real rank ---------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from ..collectives import Op
 from ..errors import InputError
 
 __all__ = [
-    "Roles", "parse_roles", "parse_mesh", "RoleProgram", "ProfileMeta", "read_profile", "check_profile", "load_profile",
+    "Roles", "parse_roles", "parse_mesh", "RoleProgram", "ProfileMeta", "read_profile", "check_profile",
     "command_digest",
     "FORMAT", "MANIFEST", "PARTIAL", "PAYLOAD_BYTES", "merge_runs", "deferred", "infer_roles",
     "roles_for_world",
@@ -428,10 +428,3 @@ def check_profile(meta: ProfileMeta, *, topology: str, world_size: int, device: 
     if meta.digest != digest:
         raise _fail(manifest, f"recorded for another command or script ({' '.join(meta.command)!r}, digest "
                               f"{meta.digest}); this run: {' '.join(command)!r}, digest {digest}")
-
-
-def load_profile(folder: Path, **run) -> ProfileMeta:
-    """``read_profile`` then ``check_profile`` against this run (keyword arguments as ``check_profile``'s)."""
-    meta = read_profile(folder)
-    check_profile(meta, **run)
-    return meta

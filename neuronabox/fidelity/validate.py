@@ -615,7 +615,7 @@ def run_validation(
     elif role_profile is not None:
         from ..emu.profiling import replay_env
 
-        replay_env(role_profile, topo, command, [real_rank or 0])  # a mismatched profile fails before any run
+        replay_env(role_profile, topo, command)  # a mismatched profile fails before any run
     if topo.emulation.library != "gloo":
         say(f"note: {topology_file} says library {topo.emulation.library}; the real system here runs gloo")
     cores = cores_shared(topo.world_size)
