@@ -286,6 +286,12 @@ def pair():
     rt.down(name)
 
 
+# tbf meters whole Ethernet frames; TCP goodput is the payload of a 1500-byte MTU frame with
+# timestamps (1448 of 1514 bytes). Measured against the rate itself, every size read a steady
+# -4.4 %, leaving a loaded CI host 5.6 % of the 10 % at 1 Gbit/s (it read -11.8 %).
+TCP_PAYLOAD_SHARE = (1500 - 20 - 20 - 12) / (1500 + 14)
+
+
 @pytest.mark.parametrize("mbit", [1, 10, 100, 1000])
 def test_shaped_link_throughput_within_10_percent(pair, mbit):
     call = agent(pair)
@@ -294,12 +300,12 @@ def test_shaped_link_throughput_within_10_percent(pair, mbit):
     assert view["ab"]["rate"] == rate and view["mechanisms"]["rate"] == "tbf"
     a, b = hosts(pair)
     got = send_bytes(a, b, int(rate * 0.6))  # about 0.6 s of traffic
-    err = got / rate - 1
-    print(f"\n{mbit} Mbit/s: TCP goodput {got * 8 / 1e6:.2f} Mbit/s, error {err:+.1%}")
+    err = got / (rate * TCP_PAYLOAD_SHARE) - 1
+    print(f"\n{mbit} Mbit/s: TCP goodput {got * 8 / 1e6:.2f} Mbit/s, error {err:+.1%} of the payload rate")
     assert abs(err) <= 0.10
     # Reverse direction too (the switch port's egress).
     got = send_bytes(b, a, int(rate * 0.6))
-    assert abs(got / rate - 1) <= 0.10
+    assert abs(got / (rate * TCP_PAYLOAD_SHARE) - 1) <= 0.10
 
 
 # The user-space delay path's own latency, beside the hold it adds: a chunk or packet held waits
