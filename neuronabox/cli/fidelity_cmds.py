@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -184,9 +185,16 @@ def calibrate(
     part: str = typer.Option(
         "network", "--part", help="network (the ranks of every node over the shaped links), intra-node (the ranks of one "
                                   "node over this machine's own fabric, added to the profile) or all."),
+    from_nccl_tests: List[str] = typer.Option(
+        [], "--from-nccl-tests", help="nccl-tests output files (repeat the flag, or LOG,LOG): fit a hardware profile "
+                                      "for the nccl model instead of measuring (writes --profile, default <topology>.hardware.yaml)."),
 ) -> None:
     """Measure the collectives on the real shaped links and fit a piecewise alpha-beta profile (model `calibrated`)."""
     import json
+
+    if from_nccl_tests:
+        _calibrate_from_logs(topology, [p for arg in from_nccl_tests for p in arg.split(",") if p], profile, write_topology)
+        return
 
     from rich.table import Table
 
@@ -278,6 +286,34 @@ def calibrate(
     if topo.emulation.model != "calibrated" and "model" in (topo.raw.get("emulation") or {}):
         console.print(f"[yellow]note: {topology} names model {topo.emulation.model}; the profile is read by model "
                       "calibrated (set model: calibrated, or pass --profile to nbox run)[/yellow]")
+
+
+def _calibrate_from_logs(topology: Path, logs: List[str], out: Optional[Path], write_topology: bool) -> None:
+    """``calibrate --from-nccl-tests``: fit a hardware profile to the logs, print the fit beside them."""
+    from ..fidelity.hardware_fit import compare_rows, fit_profile, measured_points
+    from ..fidelity.nccl_log import read_log
+    from ..fidelity.profile import profile_reference, write_profile_field
+    from ..model.hardware import as_yaml
+    from ..report.nccl_tests import format_compare
+    from ..topology import load_topology
+
+    topo = load_topology(topology)
+    measured = [measured_points(topo, read_log(p)) for p in logs]
+    prof = fit_profile(f"{topo.name}-hardware", measured, description=f"fitted by nbox calibrate --from-nccl-tests on {topology}",
+                       progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    out = out or topology.with_name(f"{topology.stem}.hardware.yaml")
+    out.write_text(as_yaml(prof), encoding="utf-8")
+    for m in measured:
+        section = prof.node if m.n_nodes == 1 else prof.network
+        head = [f"{m.log.path}: {m.log.op.value}, {m.log.ranks} ranks on {m.n_nodes} node(s)"
+                + (f", NCCL {m.log.nccl_version}" if m.log.nccl_version else ""), "model nccl with the fitted profile"]
+        sys.stdout.write(format_compare(compare_rows(m, section), head) + "\n\n")
+    console.print(f"wrote {out}")
+    if write_topology:
+        ref = write_profile_field(topology, out, "hardware")
+        console.print(f"set emulation.hardware: {ref} in {topology}")
+    else:
+        console.print(f"to use it, add under emulation: in {topology}:\n  hardware: {profile_reference(topology, out)}")
 
 
 def _fit_table(title: str, ops: dict, measurements: dict):

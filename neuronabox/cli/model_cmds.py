@@ -99,6 +99,9 @@ def bench(
     latency_scale: Optional[float] = LATENCY_SCALE,
     bandwidth_scale: Optional[float] = BANDWIDTH_SCALE,
     world_size: Optional[int] = WORLD_SIZE,
+    compare: List[Path] = typer.Option(
+        [], "--compare", help="nccl-tests output file (repeatable): the model at its sizes beside it, with the error per size."
+    ),
 ) -> None:
     """The nccl-tests table, from the model: time, algbw and busbw per size."""
     from ..collectives import Op
@@ -109,6 +112,9 @@ def bench(
     from ..model.calibrated import with_profile
 
     topo = with_profile(load(topology, inject, latency_scale, bandwidth_scale, (), world_size), profile, model)
+    if compare:
+        _compare(topo, compare, model)
+        return
     try:
         ops = list(Op) if op == "all" else [Op.parse(op)]
     except ValueError as exc:
@@ -144,3 +150,23 @@ def bench(
         sys.stdout.write(format_table([r for r in rows if r.op == o.value], header if i == 0 else []) + "\n\n")
     if json_out:
         console.print(f"wrote {json_out}")
+
+
+def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
+    """``bench --compare``: the topology's model at each log's sizes, beside the log."""
+    from ..fidelity.hardware_fit import compare_rows, measured_points
+    from ..fidelity.nccl_log import read_log
+    from ..model.registry import create_model
+    from ..report.nccl_tests import format_compare
+
+    m = create_model(topo, model)
+    for path in logs:
+        measured = measured_points(topo, read_log(path))
+        inner = getattr(m, "inner", m)
+        rows = compare_rows(measured, use_topology=True, model=m)
+        where = getattr(inner, "hardware_source", "")
+        head = [f"nbox bench --compare: topology {topo.name} ({topo.source}), {measured.log.ranks} ranks on "
+                f"{measured.n_nodes} node(s)", f"log {path}: {measured.log.op.value}"
+                + (f", NCCL {measured.log.nccl_version}" if measured.log.nccl_version else ""),
+                f"model {m.name}" + (f", hardware profile {where}" if where else "")]
+        sys.stdout.write(format_compare(rows, head) + "\n\n")

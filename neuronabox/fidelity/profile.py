@@ -101,8 +101,8 @@ def profile_reference(topology_file: Path, profile: Path) -> str:
     return target.as_posix() if rel.startswith(".." + os.sep + "..") else Path(rel).as_posix()
 
 
-def write_profile_field(topology_file: Path, profile: Path) -> str:
-    """Set ``emulation.profile`` in the topology file, keeping its other lines (and comments) as they are.
+def write_profile_field(topology_file: Path, profile: Path, field: str = "profile") -> str:
+    """Set ``emulation.<field>`` (``profile``, ``hardware``) in the topology file, keeping its other lines (and comments) as they are.
 
     Handles a missing ``emulation`` section, a block one and a one-line flow one
     (``emulation: {library: gloo}``); anything else is left to the user (InputError naming the
@@ -120,10 +120,10 @@ def write_profile_field(topology_file: Path, profile: Path) -> str:
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines()
     value = json.dumps(ref)  # a quoted YAML scalar: any path stays a string
-    hand = f"{path}: emulation.profile: add `profile: {value}` under `emulation:` by hand"
+    hand = f"{path}: emulation.{field}: add `{field}: {value}` under `emulation:` by hand"
     head = [i for i, ln in enumerate(lines) if re.match(r"^emulation\s*:", ln)]
     if not head:
-        lines += ["emulation:", f"  profile: {value}"]
+        lines += ["emulation:", f"  {field}: {value}"]
     else:
         i = head[0]
         rest = lines[i].split(":", 1)[1]
@@ -133,7 +133,7 @@ def write_profile_field(topology_file: Path, profile: Path) -> str:
                 mapping = yaml.safe_load(body) or {}
             except yaml.YAMLError:
                 raise InputError(hand) from None
-            mapping["profile"] = ref
+            mapping[field] = ref
             flow = yaml.safe_dump(mapping, default_flow_style=True, sort_keys=False, width=10**6).strip()
             lines[i] = f"emulation: {flow}" + (f"  #{comment}" if comment else "")
         elif not body.strip():
@@ -144,11 +144,11 @@ def write_profile_field(topology_file: Path, profile: Path) -> str:
                 j += 1
             indents = [len(lines[k]) - len(lines[k].lstrip()) for k in block if lines[k].strip() and not lines[k].lstrip().startswith("#")]
             pad = " " * (min(indents) if indents else 2)
-            existing = [k for k in block if re.match(rf"^{pad}profile\s*:", lines[k])]
+            existing = [k for k in block if re.match(rf"^{pad}{field}\s*:", lines[k])]
             if existing:
-                lines[existing[0]] = f"{pad}profile: {value}"
+                lines[existing[0]] = f"{pad}{field}: {value}"
             else:
-                lines.insert(i + 1, f"{pad}profile: {value}")
+                lines.insert(i + 1, f"{pad}{field}: {value}")
         else:
             raise InputError(hand)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

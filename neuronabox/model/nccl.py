@@ -40,7 +40,7 @@ from ..collectives import Op
 from ..errors import TopologyError
 from ..topology import Topology
 from ..topology.graph import ClusterGraph
-from . import schedules
+from . import hardware, schedules
 from .base import CommModel, Estimate, Group, Step
 
 __all__ = ["NcclModel", "NCCL_RELEASE", "NCCL_SOURCE", "SUPPORTED_RELEASES"]
@@ -190,6 +190,7 @@ class _P2P:
                  "intra_bw", "nic_bw", "nic_share_bw")
 
     def __init__(self, lat_intra_us, lat_inter_us, node_of, local_count, n, intra_bw, nic_bw, nic_share_bw):
+        # With a hardware profile, the latencies include its launch and the bandwidths its Simple efficiency.
         self.lat_intra_us = lat_intra_us
         self.lat_inter_us = lat_inter_us
         self.node_of = node_of
@@ -229,9 +230,11 @@ class _P2P:
 class _GroupTables:
     """Everything NCCL derives at communicator creation, for one group."""
 
-    __slots__ = ("candidates", "p2p", "n_ranks", "n_nodes", "n_channels", "min_cc", "ring_order", "node_ranks")
+    __slots__ = ("candidates", "p2p", "n_ranks", "n_nodes", "n_channels", "min_cc", "ring_order", "node_ranks",
+                 "hw", "hw_c", "line_gbps", "nvlink_gbps", "hw_lat", "ppn", "intra_hw", "lat_inter_us")
 
-    def __init__(self, candidates, p2p, n_ranks, n_nodes, n_channels, min_cc, ring_order, node_ranks):
+    def __init__(self, candidates, p2p, n_ranks, n_nodes, n_channels, min_cc, ring_order, node_ranks, hw=None,
+                 hw_c=None, line_gbps=math.inf, nvlink_gbps=math.inf, ppn=1.0, intra_hw=HW_NVLINK, lat_inter_us=0.0):
         self.candidates: dict[int, tuple[_Candidate, ...]] = candidates
         self.p2p: _P2P = p2p
         self.n_ranks = n_ranks
@@ -240,6 +243,14 @@ class _GroupTables:
         self.min_cc = min_cc
         self.ring_order: tuple[int, ...] = ring_order
         self.node_ranks: tuple[tuple[int, ...], ...] = node_ranks
+        self.hw: hardware.Section | None = hw  # the hardware profile's section that times this group
+        self.hw_c = hw_c  # NCCL's constants with the profile's latencies in place
+        self.line_gbps = line_gbps  # the bottleneck link's line rate, GB/s per rank (NVLink/PCIe, or the NICs)
+        self.nvlink_gbps = nvlink_gbps
+        self.hw_lat: dict[tuple[int, int, int], float] = {}  # (func, algo, proto) -> µs, filled on use
+        self.ppn = ppn
+        self.intra_hw = intra_hw
+        self.lat_inter_us = lat_inter_us
 
 
 class NcclModel(CommModel):
@@ -270,6 +281,20 @@ class NcclModel(CommModel):
         self._forced_algo = None if self.algorithm == "auto" else ALGO_NAMES.index(self.algorithm)
         self._forced_proto = None if self.protocol == "auto" else PROTO_NAMES.index(self.protocol)
         self._tables: dict[Group, _GroupTables] = {}
+        self._sections: dict[tuple[str, str], tuple] = {}
+        self.hardware_source = ""  # where the hardware sections came from, for reports
+
+    def hardware_sections(self, device: str, intra: str) -> tuple[hardware.Section | None, hardware.Section | None]:
+        """The (node, network) sections of the hardware profile for nodes of this device and fabric."""
+        key = (device, intra)
+        if key not in self._sections:
+            topo = self.topology
+            node, net, where = hardware.resolve_sections(
+                topo.emulation.hardware, topo.source, device, intra, topo.network.fabric
+            )
+            self._sections[key] = (node, net)
+            self.hardware_source = where
+        return self._sections[key]
 
     # ---- hot path -----------------------------------------------------------------------------
     def estimate(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> Estimate:
@@ -296,6 +321,8 @@ class NcclModel(CommModel):
             us = self._algo_time(tables, func, cand, nbytes)
             if us < best_us:
                 best_us, best = us, cand
+        if tables.hw is not None:
+            best_us = self._hw_time(tables, func, best, nbytes)
         seconds = best_us * 1e-6
         builder = functools.partial(
             _collective_steps, func, best.algo, nbytes, tables, group.ranks[root], seconds, best.lat_us * 1e-6
@@ -317,6 +344,42 @@ class NcclModel(CommModel):
         ):
             lat *= 1.9 if t.min_cc < 80 else 1.4  # NCCL's "plateau effect of ring"
         return lat + nbytes / (1000.0 * bw)
+
+    def _hw_time(self, t: _GroupTables, func: int, cand: _Candidate, nbytes: int) -> float:
+        """What the hardware takes for NCCL's choice, in µs: the profile's latencies and achieved bandwidth."""
+        h = t.hw
+        a, p = cand.algo, cand.proto
+        key = (func, a, p)
+        lat = t.hw_lat.get(key)
+        if lat is None:
+            nsteps = 2 * (t.n_ranks - 1) if func == _ALL_REDUCE else t.n_ranks - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else t.n_ranks
+            hw_ring = t.intra_hw if t.n_nodes == 1 else HW_NET
+            lat = t.hw_lat[key] = h.launch_us + self._latency(
+                func, a, p, t.n_ranks, t.n_nodes, t.ppn, nsteps, t.intra_hw, hw_ring, t.lat_inter_us, t.hw_c
+            )
+        n = t.n_ranks
+        if a in (NVLS, NVLS_TREE):
+            # NVSwitch reduces and multicasts: every rank's NVLink carries the data about once each way.
+            algbw = h.nvls_efficiency * t.nvlink_gbps
+            if func != _ALL_REDUCE:
+                algbw *= n / (n - 1)
+            if a == NVLS_TREE:
+                algbw = min(algbw, h.efficiency.Simple * t.line_gbps * n / (2 * (n - 1)))
+            return lat + nbytes / (1000.0 * algbw)
+        # NCCL runs small operations on fewer channels than the communicator has (enqueue's
+        # `while (nBytes < nc*nt*threadThreshold) nc--`); each channel moves channel_GBps. Below
+        # one channel NCCL halves the threads instead; the time is then latency, not bandwidth.
+        threshold = _MAX_THREADS[p] * _THREAD_THRESHOLD[p] * (n if (a == RING and p == LL) else 1)
+        nc = max(1, min(t.n_channels, nbytes // threshold))
+        bus = min(nc * h.channel_GBps.get(p), h.efficiency.get(p) * t.line_gbps)
+        if a == TREE:
+            bus *= h.tree_efficiency
+        if a == PAT:
+            bus *= 0.75
+        if not (a != RING and func in (_ALL_GATHER, _REDUCE_SCATTER)):
+            nsteps = 2 * (n - 1) if func == _ALL_REDUCE else n - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else n
+            bus *= n / nsteps if a == RING else 0.5
+        return lat + nbytes / (1000.0 * bus)
 
     # ---- communicator creation ----------------------------------------------------------------
     def _derive(self, group: Group) -> _GroupTables:
@@ -364,13 +427,25 @@ class NcclModel(CommModel):
             for func in range(5)
         }
 
+        node_sec, net_sec = self.hardware_sections(nodes[0].device, nodes[0].fabric.value)
+        hw = node_sec if n_nodes == 1 else net_sec
+        hw_c = _with_profile(c, hw, intra_hw) if hw is not None else None
         lat_intra_us = c["base_lat"][RING][SIMPLE] + c["hw_lat"][intra_hw][RING][SIMPLE]
         lat_inter_us = c["base_lat"][RING][SIMPLE] + c["hw_lat"][HW_NET][RING][SIMPLE] + lat_inter_s * 1e6
+        p2p_intra_bps, p2p_nic_bps = intra_bps, nic_bps
+        if hw is not None:
+            # Direct transfers go at Simple's achieved share of the links, after the launch.
+            lat_intra_us = hw.launch_us + hw.base_us.Simple + hw.hop_us.Simple
+            lat_inter_us = hw.launch_us + hw.base_us.Simple + hw.net_hop_us.Simple + lat_inter_s * 1e6 if hw.net_hop_us else lat_intra_us
+            p2p_intra_bps *= hw.efficiency.Simple
+            p2p_nic_bps *= hw.efficiency.Simple
         node_of = {r: topo.rank_node[r] for r in ranks}
         local_count = {topo.rank_node[v[0]]: len(v) for v in node_ranks}
-        nic_share = nic_bps * nics / max_local if n_nodes > 1 else math.inf
-        p2p = _P2P(lat_intra_us, lat_inter_us, node_of, local_count, n_ranks, intra_bps, nic_bps, nic_share)
-        return _GroupTables(candidates, p2p, n_ranks, n_nodes, ring_graph.n_channels, min_cc, ring_order, node_ranks)
+        nic_share = p2p_nic_bps * nics / max_local if n_nodes > 1 else math.inf
+        p2p = _P2P(lat_intra_us, lat_inter_us, node_of, local_count, n_ranks, p2p_intra_bps, p2p_nic_bps, nic_share)
+        line_gbps = intra_gbps if n_nodes == 1 else min(intra_gbps, nic_gbps * nics)
+        return _GroupTables(candidates, p2p, n_ranks, n_nodes, ring_graph.n_channels, min_cc, ring_order, node_ranks,
+                            hw, hw_c, line_gbps, intra_gbps, ppn, intra_hw, lat_inter_s * 1e6)
 
     def _speeds(self, min_cc: int, inter: bool) -> tuple[float, ...]:
         c = self.c
@@ -497,9 +572,9 @@ class NcclModel(CommModel):
                               lat_inter_us, RING, None)
         return out
 
-    def _latency(self, func, a, p, n_ranks, n_nodes, ppn, nsteps, intra_hw, hw_ring, lat_inter_us) -> float:
-        """NCCL's latency (µs) for one function/algorithm/protocol."""
-        c = self.c
+    def _latency(self, func, a, p, n_ranks, n_nodes, ppn, nsteps, intra_hw, hw_ring, lat_inter_us, c=None) -> float:
+        """NCCL's latency (µs) for one function/algorithm/protocol (``c``: constants other than the release's)."""
+        c = c or self.c
         hw_lat = c["hw_lat"]
         lat = c["base_lat"][a][p]
         intra_lat = hw_lat[intra_hw][a][p]
@@ -527,6 +602,27 @@ class NcclModel(CommModel):
             return lat + intra_lat + 2 * _log2i(n_nodes) * inter_lat
         # PAT
         return lat + _log2i(n_nodes) * (inter_lat / 3.5) + n_ranks * 2.8
+
+
+# enqueue's channel reduction: NCCL_{LL,LL128,SIMPLE}_MAX_NTHREADS and *_THREAD_THRESHOLD
+# (src/include/device.h, comm.h), by protocol index.
+_MAX_THREADS = (512, 640, 512)
+_THREAD_THRESHOLD = (8, 8, 64)
+
+
+def _with_profile(c: dict, hw: "hardware.Section", intra_hw: int) -> dict:
+    """NCCL's constants with a hardware section's base and per-hop latencies for ring and tree, and its NVLS latency."""
+    base = [list(row) for row in c["base_lat"]]
+    hw_lat = [[list(row) for row in table] for table in c["hw_lat"]]
+    for a in (TREE, RING, PAT):
+        for p in (LL, LL128, SIMPLE):
+            base[a][p] = hw.base_us.get(p)
+            hw_lat[intra_hw][a][p] = hw.hop_us.get(p)
+            if hw.net_hop_us is not None:
+                hw_lat[HW_NET][a][p] = hw.net_hop_us.get(p)
+    for a in (NVLS, NVLS_TREE):
+        hw_lat[intra_hw][a][SIMPLE] = hw.nvls_us
+    return {**c, "base_lat": base, "hw_lat": hw_lat, "net_overhead_us": 0.0}
 
 
 # ---- schedules (built lazily by Estimate.steps) ---------------------------------------------

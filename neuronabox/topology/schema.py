@@ -127,6 +127,9 @@ class Network(_Strict):
     link: LinkSpec = Field(description="every link's parameters unless a link says otherwise")
     switch_latency: Duration = Field(0.0, description="forwarding latency per switch crossed")
     mtu: int = Field(1500, ge=576, le=9216, description="IP MTU; with library gloo (TCP) it sets the payload share of a link")
+    fabric: Literal["ib", "roce", "efa", "tcp"] = Field(
+        "ib", description="the network's transport (InfiniBand, RoCE, AWS EFA, TCP sockets): picks the hardware profile"
+    )
     fat_tree: FatTree | None = None
     rail: Rail | None = None
     switches: list[str] = Field(default_factory=list, description="type links: switch names")
@@ -197,6 +200,11 @@ class Emulation(_Strict):
     protocol: Literal["auto", "LL", "LL128", "Simple"] = "auto"
     model: str = Field("alpha-beta", description="delay model: alpha-beta, nccl, flow, or a plugin's name")
     nccl_version: str = Field("2.28", description="NCCL release whose tuning constants the nccl model uses")
+    hardware: str | None = Field(
+        None,
+        description="hardware profile that times the nccl model's choices: a shipped profile's name, a file (relative "
+        "to this file's folder), or none for NCCL's own tuning times; default: the shipped profile matching the nodes",
+    )
     gloo_threads: int = Field(
         2, ge=1, le=64, strict=True,
         description="worker threads per gloo process group (torch's ProcessGroupGloo Options.threads): with library "

@@ -1,0 +1,201 @@
+"""Fit a hardware profile to nccl-tests measurements (``nbox calibrate --from-nccl-tests``).
+
+The ``nccl`` model keeps NCCL's choice of algorithm and protocol for every size and times it
+with a hardware profile section (``neuronabox.model.hardware``). Fitting finds the section's
+values that make those times match the logs: least squares on the log of the time ratio (so a
+1 MiB row counts as much as a 1 GiB one), the values searched in log space within their
+physical bounds (fractions at most 1). A value the logs cannot tell apart (the per-hop latency
+when every log has the same rank count, LL128 when NCCL never picked it) is held near its prior
+by a weak penalty on its log-distance from it: NCCL's own constants for latencies, the
+channel's share of line rate for bandwidths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..errors import InputError
+from ..model import nccl
+from ..model.base import Group
+from ..model.hardware import HardwareProfile, Section
+from ..model.registry import create_model
+from ..topology import Topology
+from .nccl_log import NcclTestsLog
+
+__all__ = ["Measured", "fit_section", "fit_profile", "predict", "measured_points", "PRIOR_WEIGHT"]
+
+# How strongly a value stays at its prior: a factor e away costs as much as a 2 % error on one row.
+PRIOR_WEIGHT = 0.02
+_LAUNCH_PRIOR_US = 5.0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One log on the topology it ran on: the group and the model that times it."""
+
+    topology: Topology
+    log: NcclTestsLog
+    group: Group
+    n_nodes: int
+
+
+def measured_points(topology: Topology, log: NcclTestsLog) -> Measured:
+    """The log's communicator on ``topology``: its first ``log.ranks`` ranks, checked against the log's hosts."""
+    if log.ranks > topology.world_size:
+        raise InputError(f"{log.path}: {log.ranks} ranks, but {topology.source} has {topology.world_size}")
+    group = Group(range(log.ranks))
+    n_nodes = len({topology.rank_node[r] for r in group.ranks})
+    if log.nodes is not None and log.nodes != n_nodes:
+        raise InputError(
+            f"{log.path}: the log ran on {log.nodes} hosts, but its {log.ranks} ranks span {n_nodes} node(s) of "
+            f"{topology.source}"
+        )
+    return Measured(topology, log, group, n_nodes)
+
+
+def _vector_fields(section: Section, network: bool) -> list[tuple[str, str | None, float, float, float]]:
+    """(field, protocol, prior, low, high) for every value the fit moves."""
+    out: list[tuple[str, str | None, float, float, float]] = [("launch_us", None, section.launch_us or _LAUNCH_PRIOR_US, 0.05, 1e4)]
+    for p in ("LL", "LL128", "Simple"):
+        out.append(("base_us", p, getattr(section.base_us, p) or 0.5, 0.05, 1e4))
+        out.append(("hop_us", p, getattr(section.hop_us, p) or 0.1, 0.01, 1e3))
+        if network:
+            out.append(("net_hop_us", p, getattr(section.net_hop_us, p) or 0.5, 0.01, 1e4))
+        out.append(("channel_GBps", p, getattr(section.channel_GBps, p), 0.01, 1e4))
+        out.append(("efficiency", p, getattr(section.efficiency, p), 1e-3, 1.0))
+    out += [("nvls_efficiency", None, section.nvls_efficiency, 1e-3, 1.0), ("nvls_us", None, section.nvls_us, 0.05, 1e4),
+            ("tree_efficiency", None, section.tree_efficiency, 1e-3, 1.0)]
+    return out
+
+
+def _section_from(values: Sequence[float], fields, network: bool) -> Section:
+    data: dict = {}
+    for v, (name, proto, *_rest) in zip(values, fields):
+        if proto is None:
+            data[name] = v
+        else:
+            data.setdefault(name, {})[proto] = v
+    if not network:
+        data.pop("net_hop_us", None)
+    return Section.model_validate(data)
+
+
+def prior_section(measured: Sequence[Measured], network: bool) -> Section:
+    """NCCL's constants as a section: the fit's starting point and prior."""
+    m = measured[0]
+    model = _model(m.topology, None)
+    t = model._tables.get(m.group) or model._derive(m.group)
+    c = model.c
+    intra_hw = t.intra_hw
+    speed = t.line_gbps / max(1, t.n_channels) if math.isfinite(t.line_gbps) else 20.0
+    lat = lambda hw: {p: c["hw_lat"][hw][nccl.RING][i] for i, p in enumerate(nccl.PROTO_NAMES)}  # noqa: E731
+    data = {
+        "launch_us": _LAUNCH_PRIOR_US,
+        "base_us": {p: c["base_lat"][nccl.RING][i] for i, p in enumerate(nccl.PROTO_NAMES)},
+        "hop_us": lat(intra_hw),
+        "channel_GBps": {"LL": speed * 0.5, "LL128": speed * 0.92, "Simple": speed},
+        "efficiency": {"LL": 0.45, "LL128": 0.85, "Simple": 0.85},
+    }
+    if network:
+        data["net_hop_us"] = lat(nccl.HW_NET)
+    return Section.model_validate(data)
+
+
+def _model(topology: Topology, section: Section | None) -> nccl.NcclModel:
+    model = create_model(topology, "nccl")
+    inner = getattr(model, "inner", model)
+    if not isinstance(inner, nccl.NcclModel):
+        raise InputError(f"{topology.source}: fitting a hardware profile needs model nccl, got {inner.name}")
+    for node in topology.nodes:
+        inner._sections[(node.device, node.fabric.value)] = (section, section)
+    return inner
+
+
+def predict(measured: Measured, section: Section | None, sizes: Sequence[int] | None = None) -> list[tuple[float, str]]:
+    """The model's time (µs) and algorithm/protocol for the log's sizes (or ``sizes``) with ``section``."""
+    model = _model(measured.topology, section)
+    out = []
+    for size in sizes if sizes is not None else [r.size for r in measured.log.rows]:
+        est = model.estimate(measured.log.op, size, measured.group)
+        out.append((est.duration * 1e6, f"{est.algorithm}/{est.protocol}"))
+    return out
+
+
+def _usable_rows(m: Measured, min_size: int):
+    # nccl-tests' 0-byte and tiny rows time the launch alone; they still count from 1 KiB-ish down to min_size.
+    return [r for r in m.log.rows if r.size >= max(1, min_size) and r.time_us > 0]
+
+
+def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
+                progress: Callable[[str], None] | None = None) -> Section:
+    """The section that best times ``measured`` (all of one scope: inside a node, or across nodes)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    if not measured:
+        raise InputError("no measurements to fit")
+    prior = prior_section(measured, network)
+    fields = _vector_fields(prior, network)
+    x0 = np.log([f[2] for f in fields])
+    lo = np.log([f[3] for f in fields])
+    hi = np.log([f[4] for f in fields])
+    x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
+    models = [_model(m.topology, prior) for m in measured]
+    rows = [_usable_rows(m, min_size) for m in measured]
+    if not any(rows):
+        raise InputError("no rows to fit (every size is below the smallest size fitted)")
+    measured_t = np.log([r.time_us for rs in rows for r in rs])
+
+    def residuals(x):
+        section = _section_from(np.exp(x), fields, network)
+        got = []
+        for m, model, rs in zip(measured, models, rows):
+            for node in m.topology.nodes:
+                model._sections[(node.device, node.fabric.value)] = (section, section)
+            model._tables.clear()
+            for r in rs:
+                got.append(model.estimate(m.log.op, r.size, m.group).duration * 1e6)
+        return np.concatenate([np.log(got) - measured_t, PRIOR_WEIGHT * (x - x0)])
+
+    res = least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0, max_nfev=400)
+    if progress:
+        progress(f"fit: {res.nfev} evaluations, cost {res.cost:.4g}")
+    return _section_from(np.exp(res.x), fields, network)
+
+
+def fit_profile(name: str, measured: Sequence[Measured], min_size: int = 1, description: str = "",
+                progress: Callable[[str], None] | None = None) -> HardwareProfile:
+    """A profile with a node section fitted on the single-node logs and a network section on the rest."""
+    single = [m for m in measured if m.n_nodes == 1]
+    multi = [m for m in measured if m.n_nodes > 1]
+    return HardwareProfile(
+        name=name,
+        description=description,
+        fitted_on=[m.log.path for m in measured],
+        node=fit_section(single, False, min_size, progress) if single else None,
+        network=fit_section(multi, True, min_size, progress) if multi else None,
+    )
+
+
+def compare_rows(measured: Measured, section: Section | None = None, use_topology: bool = False, model=None,
+                 ) -> list[tuple[int, float, float, float, float, str]]:
+    """Per size of the log: (size, measured µs, model µs, measured busbw, model busbw, algorithm).
+
+    ``use_topology``: time with ``model`` (default: the topology's nccl model with its own
+    hardware profile, what ``nbox bench`` shows) instead of ``section``.
+    """
+    if use_topology:
+        model = model or create_model(measured.topology, "nccl")
+        times = []
+        for r in measured.log.rows:
+            est = model.estimate(measured.log.op, r.size, measured.group)
+            times.append((est.duration * 1e6, f"{est.algorithm}/{est.protocol}"))
+    else:
+        times = predict(measured, section)
+    out = []
+    for r, (t_us, algo) in zip(measured.log.rows, times):
+        ratio = r.time_us / t_us if t_us > 0 else 0.0
+        out.append((r.size, r.time_us, t_us, r.busbw_GBps, r.busbw_GBps * ratio, algo))
+    return out

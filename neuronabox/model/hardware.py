@@ -1,0 +1,211 @@
+"""Hardware profiles: what a GPU generation and its fabrics achieve, for the ``nccl`` model's times.
+
+NCCL's tuning tables pick an algorithm and a protocol; they were never meant to predict times
+(its latencies leave out the launch, its bandwidths are quantized guesses of line rate). A
+hardware profile holds what a machine measurably achieves, in NCCL's own terms so that each
+number has one meaning: per protocol, the per-channel bandwidth and the fraction of the
+bottleneck link's line rate it reaches, the base and per-hop latencies, NVLS efficiency, and
+the launch overhead every operation pays. The model keeps NCCL's choice and times it with the
+profile (``neuronabox.model.nccl``).
+
+A profile has a ``node`` section (groups inside one node: the link is the per-rank NVLink or
+PCIe bandwidth) and a ``network`` section (groups across nodes: the link is the narrower of the
+node's NICs and NVLink). Profiles ship as YAML files in ``model/hardware/``, keyed by ``match``
+(device names, intra-node fabric, network fabric); a topology names one with
+``emulation.hardware`` (a shipped name or a file), ``none`` for NCCL's own times, or inherits the
+first shipped profile that matches its nodes. ``nbox calibrate --from-nccl-tests`` writes one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import InputError
+
+__all__ = ["Section", "HardwareProfile", "load_profile", "shipped_profiles", "resolve_sections", "PROTOCOLS",
+           "NETWORK_FABRICS"]
+
+PROTOCOLS = ("LL", "LL128", "Simple")
+NETWORK_FABRICS = ("ib", "roce", "efa", "tcp")
+SHIPPED = Path(__file__).with_name("hardware")
+
+Latency = Annotated[float, Field(ge=0, le=1e5, allow_inf_nan=False)]  # µs
+Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+GBps = Annotated[float, Field(gt=0, le=1e5, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PerProtocol(_Strict):
+    """One value per NCCL protocol."""
+
+    LL: float
+    LL128: float
+    Simple: float
+
+    def get(self, proto: int) -> float:
+        """The value of NCCL protocol index ``proto`` (0 LL, 1 LL128, 2 Simple)."""
+        return (self.LL, self.LL128, self.Simple)[proto]
+
+
+class Latencies(PerProtocol):
+    """µs per protocol."""
+
+    LL: Latency
+    LL128: Latency
+    Simple: Latency
+
+
+class Fractions(PerProtocol):
+    """A fraction (0, 1] per protocol."""
+
+    LL: Fraction
+    LL128: Fraction
+    Simple: Fraction
+
+
+class Bandwidths(PerProtocol):
+    """GB/s per protocol."""
+
+    LL: GBps
+    LL128: GBps
+    Simple: GBps
+
+
+class Section(_Strict):
+    """What one scope (inside a node, or across nodes) achieves."""
+
+    launch_us: Latency = Field(description="paid once by every operation: launch and kernel start (µs)")
+    base_us: Latencies = Field(description="NCCL's baseLatencies for ring and tree, measured (µs)")
+    hop_us: Latencies = Field(description="per ring/tree step inside a node (NCCL's NVLink/PCI hwLatencies), µs")
+    net_hop_us: Latencies | None = Field(None, description="per step across nodes, beside the route's latency (µs)")
+    channel_GBps: Bandwidths = Field(description="bus bandwidth one channel (one thread block) moves")
+    efficiency: Fractions = Field(description="fraction of the bottleneck link's line rate reached with every channel")
+    nvls_efficiency: Fraction = Field(0.6, description="NVLS: algorithm bandwidth as a fraction of NVLink line rate")
+    nvls_us: Latency = Field(25.0, description="NVLS latency (µs)")
+    tree_efficiency: Fraction = Field(1.0, description="tree bus bandwidth against ring's")
+
+
+class Match(_Strict):
+    """Which topologies inherit a shipped profile."""
+
+    devices: list[str] = Field(description="device name prefixes (H100 matches H100-SXM)")
+    intra: Literal["nvlink", "pcie", "shm"] = "nvlink"
+    network: list[Literal["ib", "roce", "efa", "tcp"]] = Field(default_factory=lambda: list(NETWORK_FABRICS))
+
+
+class HardwareProfile(_Strict):
+    """A hardware profile file."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str = ""
+    match: Match | None = None
+    fitted_on: list[str] = Field(default_factory=list, description="the measurements it was fitted on")
+    node: Section | None = None
+    network: Section | None = None
+
+    @field_validator("network")
+    @classmethod
+    def _net_hops(cls, value: Section | None) -> Section | None:
+        if value is not None and value.net_hop_us is None:
+            raise ValueError("a network section needs net_hop_us (the latency of a step across nodes)")
+        return value
+
+    def matches(self, device: str, intra: str, network: str) -> bool:
+        """Whether a node of this device and fabrics inherits this profile."""
+        if self.match is None:
+            return False
+        name = device.strip().upper()
+        return (
+            any(name.startswith(d.upper()) for d in self.match.devices)
+            and intra == self.match.intra
+            and network in self.match.network
+        )
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """Read a profile file; a bad one is refused with the file, field and value."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such hardware profile") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{p}: cannot read: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{p}: YAML syntax error: {getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{p}: expected a mapping at the top level")
+    try:
+        return HardwareProfile.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        raise InputError(f"{p}: {where}: {err['msg']}{shown}") from None
+
+
+@functools.cache
+def shipped_profiles() -> tuple[HardwareProfile, ...]:
+    """The profiles in ``model/hardware/``, in file-name order."""
+    return tuple(load_profile(f) for f in sorted(SHIPPED.glob("*.yaml")))
+
+
+def named(value: str, source: str) -> HardwareProfile | None:
+    """``emulation.hardware``: a shipped profile's name, a file (relative to ``source``'s folder), or none."""
+    if value == "none":
+        return None
+    for prof in shipped_profiles():
+        if prof.name == value:
+            return prof
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = Path(source).resolve().parent / path
+    if not path.exists():
+        names = ", ".join(p.name for p in shipped_profiles())
+        raise InputError(f"{source}: emulation.hardware: {value!r} is neither a shipped profile ({names}) nor a file")
+    return load_profile(path)
+
+
+def resolve_sections(hardware: str | None, source: str, device: str, intra: str, network: str,
+                     ) -> tuple[Section | None, Section | None, str]:
+    """The (node, network) sections a topology's nodes use, and where they came from (for reports)."""
+    chosen = named(hardware, source) if hardware else None
+    if hardware == "none":
+        return None, None, "none (NCCL's own tuning times)"
+    node, net = (chosen.node, chosen.network) if chosen else (None, None)
+    names = [chosen.name] if chosen else []
+    for prof in shipped_profiles():
+        if (node is None or net is None) and prof.matches(device, intra, network):
+            if node is None and prof.node is not None:
+                node = prof.node
+                names.append(prof.name)
+            if net is None and prof.network is not None:
+                net = prof.network
+                names.append(prof.name)
+    return node, net, " + ".join(dict.fromkeys(names)) or "none matched (NCCL's own tuning times)"
+
+
+def as_yaml(profile: HardwareProfile) -> str:
+    """The profile as a YAML file (what ``nbox calibrate --from-nccl-tests`` writes)."""
+    data: dict[str, Any] = profile.model_dump(exclude_none=True)
+    return yaml.safe_dump(_rounded(data), sort_keys=False)
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.4g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
