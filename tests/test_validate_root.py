@@ -149,3 +149,42 @@ def test_a_stopped_validate_takes_down_its_cluster_and_its_runs(files, tmp_path)
     assert rc == 128 + 15 and "nbox: stopped by SIGTERM" in err, out + err
     assert leftovers(tmp_path / "state") == before
     assert not [p.pid for p in psutil.process_iter(["cmdline"]) if str(script) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, qdiscs, iptables)")
+def test_validate_against_records_of_a_netns_testbed(files, tmp_path):
+    # A netns cluster stands in for two lab machines: each rank runs `nbox record` in its node, as
+    # a user would run it around torchrun on each machine; validate then reads those records as
+    # the real system and runs only the emulated side.
+    from neuronabox.cluster import runtime as rt
+    from neuronabox.fidelity.validate import launch_real, run_validation
+    from neuronabox.topology import load_topology
+
+    topo_file, script = files
+    topo = load_topology(topo_file)
+    runs = []
+    rt.up(topo, runtime="netns", name="valrec")
+    try:
+        for k in range(2):
+            out = tmp_path / f"rec{k}"
+            cmd = [sys.executable, "-m", "neuronabox.cli", "record", "-o", str(out), "--", sys.executable, str(script)]
+            rc, codes = launch_real("valrec", topo, cmd, record_only=False, log_dir=None)
+            assert rc == 0, codes
+            assert sorted(p.name for p in out.glob("rank-*.json")) == ["rank-0.json", "rank-1.json"]
+            runs.append(out)
+    finally:
+        rt.down("valrec")
+    recorded = [json.loads((d / "rank-0.json").read_text())["iterations"] for d in runs]
+    assert all(len(r) == 8 for r in recorded)
+    v = run_validation(topo_file, [sys.executable, str(script)], against=runs, modes=["model"], twin=False,
+                       repeats=1, tolerance=10.0)
+    assert v.against == [str(p) for p in runs] and len(v.real.runs) == 2 and v.modes[0].error is not None
+    assert v.real.runs[0] == recorded[0][1:][: v.iterations]  # after the warm-up iteration, as measured
+    # Records of another world, or without the validated rank, are refused before anything runs.
+    r = run_nbox("validate", str(topo_file), "--against", str(runs[0]), "--rank", "1", "--modes", "real-again", "--",
+                 sys.executable, str(script))
+    assert r.returncode == 2 and "real-again reruns the real system here" in r.stderr
+    (runs[1] / "rank-0.json").unlink()
+    r = run_nbox("validate", str(topo_file), "--against", str(runs[1]), "--modes", "model", "--", sys.executable, str(script))
+    assert r.returncode == 2 and "no record of rank 0 (has: rank-1.json)" in r.stderr

@@ -114,6 +114,10 @@ def validate(
     ),
     mesh: Optional[str] = typer.Option(None, "--mesh", help="With --roles: the device mesh, outermost first."),
     role_repeats: int = typer.Option(3, "--role-repeats", help="With --roles: runs per role (median compute)."),
+    against: List[Path] = typer.Option(
+        [], "--against", help="An nbox record folder of the real testbed (repeat: one per run): the real system is read "
+        "from it instead of run here; only the emulated modes run."
+    ),
 ) -> None:
     """Run the real system and the emulated one on the same shaped network; print the error table (exit 1 past --tolerance).
     \f
@@ -149,9 +153,12 @@ def validate(
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
                        keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes, real_rank=rank,
-                       role_profile=role_profile, roles=roles, mesh=mesh, role_repeats=role_repeats)
+                       role_profile=role_profile, roles=roles, mesh=mesh, role_repeats=role_repeats,
+                       against=against or None)
     rows = error_table(v)
     twin_note = f", load twin rank(s) {','.join(map(str, v.twin_ranks))}" if v.twin_ranks else ", no load twin"
+    if v.against:
+        twin_note += f", real system read from {len(v.against)} nbox record run(s)"
     t = Table(title=f"nbox validate: {v.topology}, {v.iterations} iterations x {v.repeats} runs after {v.warmup} warm-up, "
                     f"model {v.model}{twin_note}, tolerance {v.tolerance:.2%}", title_justify="left")
     for i, col in enumerate(rows[0]):
@@ -169,6 +176,22 @@ def validate(
     if not v.passed:
         console.print(f"[red]nbox validate: an error exceeds the tolerance {v.tolerance:.2%}[/red]")
         raise typer.Exit(1)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, no_args_is_help=True)
+def record(
+    command: List[str] = typer.Argument(None, help="The launcher and its arguments, after --."),
+    out: Path = typer.Option(Path("nbox-record"), "-o", "--out", help="Folder for rank-<rank>.json (one per rank started)."),
+) -> None:
+    """Run a real job unchanged and record every rank's iterations, for nbox validate --against: nbox record -o DIR -- torchrun ..."""
+    from ..fidelity.record import main_note, run_record
+
+    rc, files = run_record(command or [], out)
+    if files:
+        console.print(f"recorded rank(s) {', '.join(p.stem.removeprefix('rank-') for p in files)} in {out}")
+    else:
+        console.print(f"[yellow]{main_note()}[/yellow]")
+    raise typer.Exit(rc)
 
 
 @app.command(no_args_is_help=True)

@@ -468,6 +468,7 @@ class Validation:
     profile: str | None = None
     seconds: float = 0.0
     twin_ranks: list[int] = field(default_factory=list)  # the load twin's ranks (empty: no twin)
+    against: list[str] = field(default_factory=list)  # nbox record folders read as the real system
 
     @property
     def passed(self) -> bool:
@@ -574,6 +575,7 @@ def run_validation(
     roles: str | None = None,
     mesh: str | None = None,
     role_repeats: int = 3,
+    against: Sequence[Path] | None = None,
 ) -> Validation:
     """Run the real and the emulated systems interleaved ``repeats`` times and compare their iteration times.
 
@@ -586,7 +588,9 @@ def run_validation(
     topology's first real rank). ``role_profile``: the emulated runs (and their twins) replay the
     other roles from it (``nbox run --role-profile``). ``roles``: first record that profile here
     (``nbox profile``'s spec and ``mesh``), each role under the load twin (``_profile_here``),
-    ``role_repeats`` runs a role; written to ``role_profile`` if given.
+    ``role_repeats`` runs a role; written to ``role_profile`` if given. ``against``: the real
+    system is not run here; its runs are these ``nbox record`` folders (one run each), made on
+    the testbed the topology describes, and only the emulated modes run.
     """
     from ..model.calibrated import with_profile
     from ..model.registry import create_model
@@ -605,6 +609,17 @@ def run_validation(
     topo = load_topology(topology_file)
     if real_rank is not None and not 0 <= real_rank < topo.world_size:
         raise InputError(f"--rank: rank {real_rank} is not in 0-{topo.world_size - 1}")
+    recorded: list[list[float]] = []
+    if against:
+        from .record import load_against
+
+        if AGAIN in modes:
+            raise InputError(f"--modes: {AGAIN} reruns the real system here, which --against reads from records instead")
+        if calibrate_ops or roles is not None:
+            raise InputError("--against: --calibrate and --roles need the real system here (record and calibrate apart)")
+        rank0 = topo.emulation.real_ranks[0] if real_rank is None else real_rank
+        recorded = [_measured(its, warmup, iterations, f"record {folder}")
+                    for its, folder in zip(load_against(against, rank0, topo.world_size), against)]
     if roles is not None:
         from ..emu.roles import deferred, parse_roles
 
@@ -645,8 +660,12 @@ def run_validation(
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nbox-validate-")))
         logs = keep_logs or tmp
         logs.mkdir(parents=True, exist_ok=True)
-        up = stack.enter_context(cluster_for(topo, cluster, say))
-        say(f"cluster {up.name} up ({len(up.nodes)} nodes, {up.seconds:.1f} s)")
+        if against and "wire" not in modes:
+            up = None  # model mode needs no cluster: the real system ran on the testbed
+        else:
+            up = stack.enter_context(cluster_for(topo, cluster, say))
+            say(f"cluster {up.name} up ({len(up.nodes)} nodes, {up.seconds:.1f} s)")
+        real.runs.extend(recorded)
         if calibrate_ops:
             # On the cluster the runs use, right before them: a profile measured minutes or a
             # cluster instance earlier reads this machine's state then (README, "Fidelity on one machine").
@@ -664,7 +683,7 @@ def run_validation(
                       f"each pinned to its rank's core, cores {rank_ranges([c for _, c in twins])}")
             say(f"load twin: rank(s) {rank_ranges([r for r, _ in twins])} run beside each emulated run "
                 f"(their own nbox run, {pinned})")
-        systems = ["real"] + [m for m in modes if results[m].available]
+        systems = ([] if against else ["real"]) + [m for m in modes if results[m].available]
         real_walls: list[float] = []
         runs = 0
         for rep in range(repeats):
@@ -688,7 +707,8 @@ def run_validation(
                     log = logs / f"{system}-{rep}.log"
                     # A hung emulated run (seen once in wire mode) must not stall the whole validation.
                     limit = max(120.0, 10 * max(real_walls, default=60.0))
-                    rc = _run_emulated(topology_file, command, system, rec, core0, up.name, model, profile, log, limit,
+                    rc = _run_emulated(topology_file, command, system, rec, core0, up.name if up else None, model,
+                                       profile, log, limit,
                                        twins=twins, say=lambda m, k=runs: say(f"[{k}] {m}"), rank=real_rank,
                                        role_profile=role_profile)
                     if rc != 0:
@@ -715,6 +735,7 @@ def run_validation(
         tolerance=tolerance, real=real, modes=mode_list, real_spread=spread, model=effective.emulation.model,
         profile=effective.emulation.profile if effective.emulation.model == "calibrated" else None,
         seconds=time.perf_counter() - t_start, twin_ranks=[r for r, _ in twins],
+        against=[str(p) for p in against or ()],
     )
 
 

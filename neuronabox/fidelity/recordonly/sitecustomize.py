@@ -2,8 +2,9 @@
 
 Record-only mode: the real gloo backend stays in place, nothing about collectives changes.
 Only the iteration boundaries are recorded, the same way ``nbox run`` marks them (the end
-of the first optimizer's step), and written as JSON to ``NBOX_RECORD`` at exit, in the
-record format that ``neuronabox.report.run_summary.summarize`` reads. A ``sitecustomize``
+of the first optimizer's step), and written as JSON to ``NBOX_RECORD`` at exit (``{rank}`` in
+it becomes the rank: ``nbox record``), in the record format that
+``neuronabox.report.run_summary.summarize`` reads. A ``sitecustomize``
 that this one shadows is still run afterwards.
 """
 
@@ -38,6 +39,7 @@ def _install(out: str) -> None:
     t0 = [time.perf_counter()]
     marks: list[float] = []
     first: list = []
+    inited: list[bool] = []
 
     try:
         import torch.distributed as dist
@@ -46,6 +48,7 @@ def _install(out: str) -> None:
 
         def init_process_group(*args, **kwargs):
             result = original(*args, **kwargs)
+            inited.append(True)
             if not marks:
                 t0[0] = time.perf_counter()
             return result
@@ -66,18 +69,29 @@ def _install(out: str) -> None:
     register_optimizer_step_post_hook(step_post_hook)
 
     def write() -> None:
+        import socket
+
+        if not inited and not marks:
+            return  # a launcher's own Python (torchrun's agent) is no rank: it must not write rank-0
+
         edges = [t0[0]] + marks
+        rank = int(os.environ.get("RANK", "0"))
         data = {
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "real_rank": int(os.environ.get("RANK", "0")),
+            "real_rank": rank,
             "model": "real (gloo)",
+            "host": socket.gethostname(),
+            "argv": list(sys.argv),
             "iterations": [b - a for a, b in zip(edges, edges[1:])],
             "device_iterations": [],
             "communicators": {},
             "ops": [],
         }
-        with open(out, "w", encoding="utf-8") as f:
+        # nbox record names one file per rank ("rank-{rank}.json"): every rank of a launcher writes its own.
+        path = out.replace("{rank}", str(rank))
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(data, f)
+        os.replace(path + ".tmp", path)
 
     atexit.register(write)
 
