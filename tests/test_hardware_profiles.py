@@ -1,0 +1,210 @@
+"""Hardware profiles: nccl-tests logs read back, profiles fitted to them, shipped ones inherited, bad input refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from neuronabox.collectives import Op
+from neuronabox.errors import InputError
+from neuronabox.fidelity import hardware_fit as hf
+from neuronabox.fidelity.nccl_log import LogRow, NcclTestsLog, parse_log, read_log
+from neuronabox.model import hardware
+from neuronabox.model.hardware import Section
+from neuronabox.model.registry import create_model
+from neuronabox.topology import load_topology, parse_topology
+
+H100 = """
+cluster: {{nodes: {nodes}, ranks_per_node: 8, device: H100}}
+intra_node: {{fabric: nvlink, bandwidth: 450GB/s, latency: 1us}}
+network: {{type: rail-optimized, nics_per_node: 8, link: {{bandwidth: 400Gbps, latency: 2us}}}}
+emulation: {{model: nccl{extra}}}
+"""
+TRUTH = Section.model_validate(dict(
+    launch_us=8, base_us=dict(LL=10, LL128=16, Simple=12), hop_us=dict(LL=1, LL128=2.5, Simple=4),
+    channel_GBps=dict(LL=12, LL128=22, Simple=28), efficiency=dict(LL=0.4, LL128=0.8, Simple=0.82),
+    nvls_efficiency=0.55,
+))
+SIZES = [8 << i for i in range(28)]  # 8 B .. 1 GiB
+HEADER = "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong"
+
+
+def nbox(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "neuronabox.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def log_text(times, op="all_reduce", ranks=8, hosts=1, factor=1.75, max_bytes=None):
+    lines = [f"# nThread 1 nGpus 1 minBytes 8 maxBytes {max_bytes or SIZES[len(times) - 1]} step: 2(factor) warmup iters: 5"]
+    lines += [f"#  Rank {i:2d} Group  0 Pid  {100 + i} on  host{i * hosts // ranks} device  {i % 8} [0x{i:02x}] NVIDIA H100 80GB HBM3"
+              for i in range(ranks)]
+    lines += ["host0:100:100 [0] NCCL INFO NCCL version 2.21.5+cuda12.4", "#", HEADER]
+    for s, t in zip(SIZES, times):
+        alg = s / t / 1e3
+        lines.append(f"{s:12d}  {s // 4:12d}     float     sum      -1  {t:7.2f}  {alg:6.2f}  {alg * factor:6.2f}      0"
+                     f"  {t:7.2f}  {alg:6.2f}  {alg * factor:6.2f}      0")
+    lines.append("# Avg bus bandwidth    : 100.0")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def truth_times():
+    topo = parse_topology(H100.format(nodes=1, extra=", hardware: none"), "t.yaml")
+    dummy = NcclTestsLog("x", Op.ALL_REDUCE, tuple(LogRow(s, s // 4, "float", 1, 1, 1, None, 0) for s in SIZES), 8, (), (), None)
+    return [t for t, _ in hf.predict(hf.measured_points(topo, dummy), TRUTH)]
+
+
+# ---- reading logs ------------------------------------------------------------------------------------------------------
+def test_log_rows_ranks_hosts_and_version(truth_times):
+    log = parse_log(log_text(truth_times), "all_reduce_perf.txt")
+    assert log.op is Op.ALL_REDUCE and log.ranks == 8 and log.nodes == 1 and log.nccl_version == "2.21.5"
+    assert log.devices == ("NVIDIA H100 80GB HBM3",) and len(log.rows) == len(SIZES)
+    assert log.row(1 << 20).time_us == pytest.approx(truth_times[17], abs=0.01)
+
+
+def test_old_columns_and_interleaved_logging_are_read():
+    text = """# nThread 1 nGpus 2 minBytes 1048576 maxBytes 2097152 step: 2(factor) warmup iters: 5 iters: 20 validation: 1
+#
+#                                                     out-of-place                       in-place
+#       size         count    type   redop     time   algbw   busbw  error     time   algbw   busbw  error
+#        (B)    (elements)                     (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+     1048576        262144   float     sum    50.00   20.97   20.97  0e+00    50.00   20.97   20.97  0e+00
+node1:55:55 [0] NCCL INFO comm 0x1 rank 0 nranks 2 - Init COMPLETE
+     2097152        524288   float     sum    90.00   23.30   23.30  0e+00    90.00   23.30   23.30  0e+00
+"""
+    log = parse_log(text, "x_all_reduce.log", op=Op.ALL_REDUCE, ranks=2)
+    assert [r.size for r in log.rows] == [1 << 20, 2 << 20] and log.rows[1].time_us == 90.0
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda t: t.replace("# Avg bus bandwidth    : 100.0\n", "").rsplit("\n", 3)[0] + "\n", "truncated"),
+    (lambda t: t.rsplit("\n", 4)[0] + "\n" + t.rsplit("\n", 4)[1][:30] + "\n", "cut short"),
+    (lambda t: t.replace("1048576        262144     float", "1048576        262144     flo\x00"), None),
+    (lambda t: "\n".join(ln for ln in t.splitlines() if not ln.strip()[:1].isdigit()), "no nccl-tests rows"),
+])
+def test_bad_logs_are_refused_naming_the_problem(truth_times, mutate, needle):
+    text = mutate(log_text(truth_times))
+    if needle is None:
+        parse_log(text, "all_reduce_perf.txt")  # a mangled type name is still a row
+        return
+    with pytest.raises(InputError, match=needle):
+        parse_log(text, "all_reduce_perf.txt")
+
+
+def test_a_log_of_another_collective_is_refused(truth_times):
+    # All-gather's busbw is (n-1)/n of algbw, all-reduce's 2(n-1)/n: the rows give the op away.
+    text = log_text(truth_times, factor=7 / 8)
+    with pytest.raises(InputError, match=r"line \d+: busbw/algbw is 0\.8\d+, not the 1.750 of all_reduce"):
+        parse_log(text, "all_reduce_perf.txt")
+    with pytest.raises(InputError, match="this is a all_reduce_perf log, not all_gather"):
+        parse_log("# ./build/all_reduce_perf -b 8\n" + log_text(truth_times), "x.txt", op=Op.ALL_GATHER)
+
+
+# ---- profiles ------------------------------------------------------------------------------------------------------------
+def test_fit_recovers_the_times_of_a_known_section(tmp_path, truth_times):
+    (tmp_path / "all_reduce_perf.txt").write_text(log_text(truth_times))
+    topo = parse_topology(H100.format(nodes=1, extra=""), str(tmp_path / "t.yaml"))
+    m = hf.measured_points(topo, read_log(tmp_path / "all_reduce_perf.txt"))
+    section = hf.fit_section([m], network=False)
+    worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(m.log.rows, hf.predict(m, section)))
+    assert worst < 0.01
+
+
+def test_half_the_sizes_predict_the_other_half(truth_times):
+    topo = parse_topology(H100.format(nodes=1, extra=""), "t.yaml")
+    rows = tuple(LogRow(s, s // 4, "float", t, 1, 1, None, 0) for s, t in zip(SIZES, truth_times))
+    train = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_REDUCE, rows[0::2], 8, (), (), None))
+    test = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_REDUCE, rows[1::2], 8, (), (), None))
+    section = hf.fit_section([train], network=False)
+    errs = [abs(t / r.time_us - 1) for r, (t, _) in zip(test.log.rows, hf.predict(test, section)) if r.size >= 1 << 20]
+    assert max(errs) < 0.05
+
+
+def test_calibrate_from_nccl_tests_writes_a_profile_the_topology_then_uses(tmp_path, truth_times):
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=1, extra=""))
+    (tmp_path / "all_reduce_perf.txt").write_text(log_text(truth_times))
+    r = nbox("calibrate", "t.yaml", "--from-nccl-tests", "all_reduce_perf.txt", "--write-topology", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "Largest |error| at >=1 MiB" in r.stdout and (tmp_path / "t.hardware.yaml").exists()
+    assert yaml.safe_load((tmp_path / "t.yaml").read_text())["emulation"]["hardware"] == "t.hardware.yaml"
+    r = nbox("bench", "t.yaml", "--compare", "all_reduce_perf.txt", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "hardware profile t-hardware" in r.stdout
+    big = [float(ln.split()[5].rstrip("%")) for ln in r.stdout.splitlines()
+           if ln.strip()[:1].isdigit() and int(ln.split()[0]) >= 1 << 20]
+    assert big and max(abs(e) for e in big) < 1.0  # per cent
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("channel_GBps", {"LL": -1, "LL128": 20, "Simple": 20}, "node.channel_GBps.LL: Input should be greater than 0"),
+    ("efficiency", {"LL": 0.5, "LL128": 0.9, "Simple": 1.2}, "node.efficiency.Simple: Input should be less than or equal to 1"),
+    ("launch_us", float("nan"), "node.launch_us"),
+])
+def test_impossible_profiles_are_refused_with_exit_2(tmp_path, field, value, needle):
+    doc = {"name": "bad", "node": TRUTH.model_dump(exclude_none=True)}
+    doc["node"][field] = value
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=1, extra=", hardware: bad.yaml"))
+    with pytest.raises(InputError, match=needle.replace("(", r"\(")):
+        hardware.load_profile(tmp_path / "bad.yaml")
+    r = nbox("bench", "t.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "bad.yaml" in r.stderr, r.stderr
+
+
+def test_a_missing_section_field_and_an_unknown_name_are_refused(tmp_path):
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({"name": "p", "network": TRUTH.model_dump(exclude_none=True)}))
+    with pytest.raises(InputError, match="network: Value error, a network section needs net_hop_us"):
+        hardware.load_profile(tmp_path / "p.yaml")
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=1, extra=", hardware: no-such"))
+    r = nbox("bench", "t.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and "emulation.hardware: 'no-such' is neither a shipped profile" in r.stderr
+
+
+def test_hardware_none_keeps_nccls_own_times_and_a_profile_changes_them(tmp_path):
+    own = create_model(parse_topology(H100.format(nodes=1, extra=", hardware: none"), "t.yaml"), "nccl")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({"name": "p", "node": TRUTH.model_dump(exclude_none=True)}))
+    timed = create_model(parse_topology(H100.format(nodes=1, extra=", hardware: p.yaml"), str(tmp_path / "t.yaml")), "nccl")
+    a, b = own.estimate(Op.ALL_REDUCE, 1 << 30, range(8)), timed.estimate(Op.ALL_REDUCE, 1 << 30, range(8))
+    assert b.duration > a.duration * 1.2  # the measured hardware is slower than NCCL's guess
+    # The choice is the fastest on the profiled hardware among NCCL's candidates: forcing each
+    # candidate never beats it, and a larger size is never faster.
+    for algo in ("ring", "tree", "nvls"):
+        forced = create_model(timed.topology, "nccl", algorithm=algo).estimate(Op.ALL_REDUCE, 1 << 30, range(8))
+        assert forced.duration >= b.duration * (1 - 1e-12)
+    times = [timed.estimate(Op.ALL_REDUCE, 1 << k, range(8)).duration for k in range(34)]
+    assert all(y >= x for x, y in zip(times, times[1:]))
+    # Two nodes: the file has no network section, so a group across nodes is timed as without it
+    # (by the shipped profile that matches, if any).
+    inherited = create_model(parse_topology(H100.format(nodes=2, extra=""), "t.yaml"), "nccl")
+    timed2 = create_model(parse_topology(H100.format(nodes=2, extra=", hardware: p.yaml"), str(tmp_path / "t.yaml")), "nccl")
+    assert timed2.estimate(Op.ALL_REDUCE, 1 << 30, range(16)).duration == pytest.approx(
+        inherited.estimate(Op.ALL_REDUCE, 1 << 30, range(16)).duration)
+
+
+def test_shipped_profiles_load_and_are_inherited_by_device_and_fabric():
+    shipped = hardware.shipped_profiles()
+    assert shipped, "no shipped hardware profiles"
+    for prof in shipped:
+        assert prof.match is not None and prof.fitted_on and (prof.node or prof.network)
+    node_profiles = [p for p in shipped if p.node is not None and p.match.intra == "nvlink"
+                     and any("H100".startswith(d) for d in p.match.devices)]
+    if node_profiles:
+        model = create_model(parse_topology(H100.format(nodes=1, extra=""), "t.yaml"), "nccl")
+        model.estimate(Op.ALL_REDUCE, 1 << 20, range(8))
+        assert node_profiles[0].name in model.hardware_source
+
+
+def test_published_dataset_logs_all_parse():
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+    systems = [p for p in root.iterdir() if (p / "system.yaml").exists()]
+    assert len(systems) >= 12
+    for folder in systems:
+        meta = yaml.safe_load((folder / "system.yaml").read_text())
+        topo = load_topology(folder / "topology.yaml")
+        for entry in meta["logs"]:
+            m = hf.measured_points(topo, read_log(folder / entry["file"], ranks=meta["gpus"]))
+            assert m.log.rows and m.log.op.value.replace("_", "") == entry["collective"].replace("_", "")
