@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 (CPU build) lies on this kind of machine's disk; pinning it avoids a multi-GB CUDA download.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench clean venv sysdeps gpu-kit
+.PHONY: demo test bench published clean venv sysdeps gpu-kit
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ bench: venv
 	$(BIN)/python benchmarks/model_speed.py
 	$(BIN)/python benchmarks/flow_speed.py
 	$(BIN)/python benchmarks/emu_overhead.py
+
+# The nccl model against published nccl-tests runs (benchmarks/published/); --write refits the
+# shipped hardware profiles (neuronabox/model/hardware/) from them.
+published: venv
+	$(BIN)/python benchmarks/published_accuracy.py --write
 
 # Wheels for benchmarks/gpu_checks.sh on the lent GPU machine, which has torch, numpy and transformers
 # but no package index: neuronabox's other dependencies but matplotlib, pytest, and theirs (pinned

@@ -19,7 +19,7 @@ H100 = """
 cluster: {{nodes: {nodes}, ranks_per_node: {rpn}, device: H100}}
 intra_node: {{fabric: nvlink, bandwidth: 450GB/s, latency: 1us}}
 network: {{type: rail-optimized, link: {{bandwidth: 400Gbps, latency: 2us}}}}
-emulation: {{model: nccl, algorithm: {algo}, protocol: {proto}, nccl_version: "{version}"}}
+emulation: {{model: nccl, algorithm: {algo}, protocol: {proto}, nccl_version: "{version}", hardware: none}}
 """
 
 

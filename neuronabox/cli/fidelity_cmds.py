@@ -321,7 +321,7 @@ def _calibrate_from_logs(topology: Path, logs: List[str], out: Optional[Path], w
     from ..topology import load_topology
 
     topo = load_topology(topology)
-    measured = [measured_points(topo, read_log(p)) for p in logs]
+    measured = [measured_points(topo, read_log(p, default_ranks=topo.world_size)) for p in logs]
     prof = fit_profile(f"{topo.name}-hardware", measured, description=f"fitted by nbox calibrate --from-nccl-tests on {topology}",
                        progress=lambda m: console.print(f"[dim]{m}[/dim]"))
     out = out or topology.with_name(f"{topology.stem}.hardware.yaml")

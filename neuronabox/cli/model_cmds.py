@@ -161,7 +161,7 @@ def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
 
     m = create_model(topo, model)
     for path in logs:
-        measured = measured_points(topo, read_log(path))
+        measured = measured_points(topo, read_log(path, default_ranks=topo.world_size))
         inner = getattr(m, "inner", m)
         rows = compare_rows(measured, use_topology=True, model=m)
         where = getattr(inner, "hardware_source", "")

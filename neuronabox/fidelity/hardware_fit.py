@@ -66,7 +66,9 @@ def _vector_fields(section: Section, network: bool) -> list[tuple[str, str | Non
         out.append(("channel_GBps", p, getattr(section.channel_GBps, p), 0.01, 1e4))
         out.append(("efficiency", p, getattr(section.efficiency, p), 1e-3, 1.0))
     out += [("nvls_efficiency", None, section.nvls_efficiency, 1e-3, 1.0), ("nvls_us", None, section.nvls_us, 0.05, 1e4),
-            ("tree_efficiency", None, section.tree_efficiency, 1e-3, 1.0)]
+            ("tree_efficiency", None, section.tree_efficiency, 1e-3, 1.0),
+            ("half_bytes", None, section.half_bytes or 1.0, 1e-3, 1e10),  # prior: no ramp
+            ("ramp_exponent", None, section.ramp_exponent, 0.1, 4.0)]
     return out
 
 
@@ -142,6 +144,8 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
     lo = np.log([f[3] for f in fields])
     hi = np.log([f[4] for f in fields])
     x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
+    # The ramp's size is many decades from its prior ("none") when a curve needs it: a weak pull.
+    weight = np.array([PRIOR_WEIGHT / 10 if f[0] == "half_bytes" else PRIOR_WEIGHT for f in fields])
     models = [_model(m.topology, prior) for m in measured]
     rows = [_usable_rows(m, min_size) for m in measured]
     if not any(rows):
@@ -157,12 +161,23 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
             model._tables.clear()
             for r in rs:
                 got.append(model.estimate(m.log.op, r.size, m.group).duration * 1e6)
-        return np.concatenate([np.log(got) - measured_t, PRIOR_WEIGHT * (x - x0)])
+        return np.concatenate([np.log(got) - measured_t, weight * (x - x0)])
 
-    res = least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0, max_nfev=400)
+    # Two starts, without and with a ramp (the cost is not convex in it); the better fit wins.
+    ramped = x0.copy()
+    for i, f in enumerate(fields):
+        if f[0] == "half_bytes":
+            ramped[i] = np.log(65536.0)
+        elif f[0] == "ramp_exponent":
+            ramped[i] = np.log(0.5)
+    best = None
+    for start in (x0, ramped):
+        res = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0, max_nfev=400)
+        if best is None or res.cost < best.cost:
+            best = res
     if progress:
-        progress(f"fit: {res.nfev} evaluations, cost {res.cost:.4g}")
-    return _section_from(np.exp(res.x), fields, network)
+        progress(f"fit: {best.nfev} evaluations, cost {best.cost:.4g}")
+    return _section_from(np.exp(best.x), fields, network)
 
 
 def fit_profile(name: str, measured: Sequence[Measured], min_size: int = 1, description: str = "",

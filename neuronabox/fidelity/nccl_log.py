@@ -34,7 +34,8 @@ OP_OF_BINARY = {
     "scatter": Op.SCATTER,
 }
 _BINARY = re.compile(r"\b(all_reduce|all_gather|reduce_scatter|alltoall|broadcast|reduce|sendrecv|gather|scatter)_perf")
-_RANK = re.compile(r"^#\s+Rank\s+(\d+)\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(.*?)\s*$")
+# Older versions print no "Group" field.
+_RANK = re.compile(r"^#\s+Rank\s+(\d+)\s+(?:Group\s+\d+\s+)?Pid\s+\d+\s+on\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(.*?)\s*$")
 _HEAD = re.compile(r"minBytes\s+(\d+)\s+maxBytes\s+(\d+)")
 _NCCL_VERSION = re.compile(r"NCCL version\s+(\d+\.\d+\.\d+)")
 _NUM = re.compile(r"^-?\d+$")
@@ -76,18 +77,22 @@ class NcclTestsLog:
         return next((r for r in self.rows if r.size == size), None)
 
 
-def read_log(path: str | Path, op: Op | None = None, ranks: int | None = None) -> NcclTestsLog:
-    """Read an nccl-tests output file; ``op`` and ``ranks`` are checked against the log when given."""
+def read_log(path: str | Path, op: Op | None = None, ranks: int | None = None,
+             default_ranks: int | None = None) -> NcclTestsLog:
+    """Read an nccl-tests output file; ``op`` and ``ranks`` are checked against the log when given.
+
+    ``default_ranks``: the rank count when the log lists no ranks (the topology's world, say).
+    """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise InputError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    return parse_log(text, str(p), op, ranks, fallback_op=op_from_filename(p))
+    return parse_log(text, str(p), op, ranks, fallback_op=op_from_filename(p), default_ranks=default_ranks)
 
 
 def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = None,
-              fallback_op: Op | None = None) -> NcclTestsLog:
+              fallback_op: Op | None = None, default_ranks: int | None = None) -> NcclTestsLog:
     """Parse nccl-tests text (see ``read_log``); ``fallback_op`` serves when neither ``op`` nor the log names one."""
     columns: list[str] | None = None
     rows: list[LogRow] = []
@@ -113,8 +118,8 @@ def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = 
                 devices.setdefault(m.group(3))
             elif m := _HEAD.search(line):
                 max_bytes = int(m.group(2))
-            elif "size" in line and "count" in line and "time" in line:
-                columns = _columns(line)
+            elif re.search(r"\bsize\b", line) and ("time" in line or "busbw" in line) and "(B)" not in line:
+                columns = _columns(line)  # also a published table of size and busbw alone
             elif "Avg bus bandwidth" in line:
                 trailer = True
             continue
@@ -127,10 +132,16 @@ def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = 
     named = OP_OF_BINARY.get(binary) if binary else None
     if op is not None and named is not None and named is not op:
         raise InputError(f"{source}: this is a {binary}_perf log, not {op.value}")
-    op = op or named or fallback_op
-    n = ranks or len(rank_ids) or None
+    op = op or named or fallback_op or op_from_filename(source)
+    n = ranks or len(rank_ids) or default_ranks or None
     if op is None:
-        raise InputError(f"{source}: the log does not say which collective it measured (name it: --op, or a file named like all_reduce_perf.txt)")
+        raise InputError(f"{source}: the log does not say which collective it measured (name the file after it, like all_reduce_perf.txt)")
+    if any(math.isnan(r.time_us) for r in rows):
+        # A published table of bus bandwidth alone: the time is what nccl-tests derived it from.
+        if n is None:
+            raise InputError(f"{source}: a table of busbw without times needs the rank count (the log names none)")
+        factor = busbw_factor(op, n) or 1.0
+        rows = [_from_busbw(r, factor, source) for r in rows]
     _check_factor(rows, op, n, source)
     if n is None:
         n = _ranks_from_factor(rows, op, source)
@@ -151,7 +162,8 @@ def op_from_filename(path: str | Path) -> Op | None:
 def _columns(header: str) -> list[str]:
     # "#  size count type redop root time algbw busbw #wrong time algbw busbw #wrong": the second
     # time/algbw/busbw group is in-place.
-    names = header.lstrip("#").split()
+    # "in-place busbw" in a published table is one column; nccl-tests prints the qualifiers on a line of their own.
+    names = [n for n in header.lstrip("#").split() if n not in ("in-place", "out-of-place")]
     out, seen = [], set()
     for name in names:
         name = "wrong" if name in ("#wrong", "error", "wrong") else name
@@ -165,8 +177,16 @@ def _row(fields: Sequence[str], columns: Sequence[str], source: str, line_no: in
         raise InputError(f"{source}: line {line_no}: a row cut short ({len(fields)} of {len(columns)} columns): {line.strip()[:80]!r}")
     values = dict(zip(columns, fields))
     try:
-        size, count = int(values["size"]), int(values["count"])
-        time_us, algbw, busbw = (float(values[k]) for k in ("time", "algbw", "busbw"))
+        size = int(values["size"])
+        count = int(values["count"]) if values.get("count", "N/A") != "N/A" else 0
+        if "time" not in values:
+            busbw = float(values["busbw"])
+            if not (math.isfinite(busbw) and busbw > 0):
+                raise ValueError(busbw)
+            return LogRow(size, count, values.get("type", "float"), math.nan, math.nan, busbw, None, line_no)
+        algbw, busbw = float(values["algbw"]), float(values["busbw"])
+        # Some runs print N/A for the time (and the error column) but keep the bandwidths.
+        time_us = float(values["time"]) if values["time"] != "N/A" else (size / algbw / 1e3 if algbw > 0 else math.nan)
         in_time = values.get("in_time")
         in_time_us = float(in_time) if in_time not in (None, "N/A") else None
     except (KeyError, ValueError):
@@ -174,6 +194,11 @@ def _row(fields: Sequence[str], columns: Sequence[str], source: str, line_no: in
     if size < 0 or count < 0 or not all(math.isfinite(v) and v >= 0 for v in (time_us, algbw, busbw)):
         raise InputError(f"{source}: line {line_no}: impossible values (negative or not finite): {line.strip()[:80]!r}")
     return LogRow(size, count, values.get("type", "float"), time_us, algbw, busbw, in_time_us, line_no)
+
+
+def _from_busbw(r: LogRow, factor: float, source: str) -> LogRow:
+    algbw = r.busbw_GBps / factor
+    return LogRow(r.size, r.count, r.type, r.size / algbw / 1e3, algbw, r.busbw_GBps, None, r.line)
 
 
 def _needed(columns: Sequence[str]) -> int:
@@ -210,4 +235,4 @@ def _ranks_from_factor(rows: Sequence[LogRow], op: Op, source: str) -> int:
         k = ratio / 2 if op is Op.ALL_REDUCE else ratio  # (n-1)/n
         if k < 0.99:
             return max(2, round(1 / (1 - k)))
-    raise InputError(f"{source}: the log names no ranks ('#  Rank' lines) and its bandwidths do not give the count: name it (--ranks)")
+    raise InputError(f"{source}: the log names no ranks ('#  Rank' lines) and its bandwidths do not give the count")

@@ -92,6 +92,12 @@ class Section(_Strict):
     nvls_efficiency: Fraction = Field(0.6, description="NVLS: algorithm bandwidth as a fraction of NVLink line rate")
     nvls_us: Latency = Field(25.0, description="NVLS latency (µs)")
     tree_efficiency: Fraction = Field(1.0, description="tree bus bandwidth against ring's")
+    half_bytes: float = Field(
+        0.0, ge=0, le=1e12, allow_inf_nan=False,
+        description="bytes per rank at which an operation reaches half its bandwidth (0: at once); published "
+        "curves rise over three decades of size, more slowly than one latency and one bandwidth allow",
+    )
+    ramp_exponent: float = Field(1.0, gt=0, le=4, allow_inf_nan=False, description="how steeply it rises there (1: as a latency would)")
 
 
 class Match(_Strict):

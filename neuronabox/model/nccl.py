@@ -231,10 +231,11 @@ class _GroupTables:
     """Everything NCCL derives at communicator creation, for one group."""
 
     __slots__ = ("candidates", "p2p", "n_ranks", "n_nodes", "n_channels", "min_cc", "ring_order", "node_ranks",
-                 "hw", "hw_c", "line_gbps", "nvlink_gbps", "hw_lat", "ppn", "intra_hw", "lat_inter_us")
+                 "hw", "hw_c", "line_gbps", "nvlink_gbps", "hw_lat", "ppn", "intra_hw", "lat_inter_us", "node_net_gbps")
 
     def __init__(self, candidates, p2p, n_ranks, n_nodes, n_channels, min_cc, ring_order, node_ranks, hw=None,
-                 hw_c=None, line_gbps=math.inf, nvlink_gbps=math.inf, ppn=1.0, intra_hw=HW_NVLINK, lat_inter_us=0.0):
+                 hw_c=None, line_gbps=math.inf, nvlink_gbps=math.inf, ppn=1.0, intra_hw=HW_NVLINK, lat_inter_us=0.0,
+                 node_net_gbps=math.inf):
         self.candidates: dict[int, tuple[_Candidate, ...]] = candidates
         self.p2p: _P2P = p2p
         self.n_ranks = n_ranks
@@ -251,6 +252,7 @@ class _GroupTables:
         self.ppn = ppn
         self.intra_hw = intra_hw
         self.lat_inter_us = lat_inter_us
+        self.node_net_gbps = node_net_gbps  # every NIC of a node together, GB/s (inf: one node)
 
 
 class NcclModel(CommModel):
@@ -317,12 +319,15 @@ class NcclModel(CommModel):
         func = _FUNC_OF_OP[op]
         best = None
         best_us = math.inf
+        # NCCL's tuner picks the fastest it believes in; with a hardware profile, the fastest the
+        # measured hardware gives among the same candidates (NCCL's tables are tuned on real
+        # machines, so its picks follow them where the two agree; where the profile shows its
+        # guess far off, keeping its pick would make a larger size faster than a smaller one).
+        timer = self._hw_time if tables.hw is not None else self._algo_time
         for cand in tables.candidates[func]:
-            us = self._algo_time(tables, func, cand, nbytes)
+            us = timer(tables, func, cand, nbytes)
             if us < best_us:
                 best_us, best = us, cand
-        if tables.hw is not None:
-            best_us = self._hw_time(tables, func, best, nbytes)
         seconds = best_us * 1e-6
         builder = functools.partial(
             _collective_steps, func, best.algo, nbytes, tables, group.ranks[root], seconds, best.lat_us * 1e-6
@@ -359,27 +364,33 @@ class NcclModel(CommModel):
             )
         n = t.n_ranks
         if a in (NVLS, NVLS_TREE):
-            # NVSwitch reduces and multicasts: every rank's NVLink carries the data about once each way.
+            # NVSwitch reduces and multicasts: every rank's NVLink carries the data about once each way;
+            # across nodes (NVLS tree) each node sends and receives the whole buffer once on its NICs.
             algbw = h.nvls_efficiency * t.nvlink_gbps
             if func != _ALL_REDUCE:
                 algbw *= n / (n - 1)
             if a == NVLS_TREE:
-                algbw = min(algbw, h.efficiency.Simple * t.line_gbps * n / (2 * (n - 1)))
-            return lat + nbytes / (1000.0 * algbw)
+                algbw = min(algbw, h.efficiency.Simple * t.line_gbps)
+            return lat + nbytes / (1000.0 * algbw) * _ramp(h, n, nbytes)
         # NCCL runs small operations on fewer channels than the communicator has (enqueue's
         # `while (nBytes < nc*nt*threadThreshold) nc--`); each channel moves channel_GBps. Below
         # one channel NCCL halves the threads instead; the time is then latency, not bandwidth.
         threshold = _MAX_THREADS[p] * _THREAD_THRESHOLD[p] * (n if (a == RING and p == LL) else 1)
-        nc = max(1, min(t.n_channels, nbytes // threshold))
-        bus = min(nc * h.channel_GBps.get(p), h.efficiency.get(p) * t.line_gbps)
+        nc = max(1.0, min(t.n_channels, nbytes / threshold))  # continuous: a time never drops as bytes grow
         if a == TREE:
-            bus *= h.tree_efficiency
+            # NCCL's tree: a chain inside each node, whose GPU links carry the buffer twice (NCCL's
+            # tuning halves the tree's bandwidth), and across nodes each node sends and receives
+            # the buffer once on its NICs, where a ring sends 2(n-1)/n of it per rank.
+            tree_line = min(0.5 * t.nvlink_gbps, t.line_gbps if t.n_nodes == 1 else t.node_net_gbps)
+            bus = h.tree_efficiency * min(nc * h.channel_GBps.get(p), h.efficiency.get(p) * tree_line)
+            return lat + nbytes / (1000.0 * bus) * _ramp(h, n, nbytes)
+        bus = min(nc * h.channel_GBps.get(p), h.efficiency.get(p) * t.line_gbps)
         if a == PAT:
             bus *= 0.75
-        if not (a != RING and func in (_ALL_GATHER, _REDUCE_SCATTER)):
+        elif not (a != RING and func in (_ALL_GATHER, _REDUCE_SCATTER)):
             nsteps = 2 * (n - 1) if func == _ALL_REDUCE else n - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else n
-            bus *= n / nsteps if a == RING else 0.5
-        return lat + nbytes / (1000.0 * bus)
+            bus *= n / nsteps
+        return lat + nbytes / (1000.0 * bus) * _ramp(h, n, nbytes)
 
     # ---- communicator creation ----------------------------------------------------------------
     def _derive(self, group: Group) -> _GroupTables:
@@ -441,11 +452,16 @@ class NcclModel(CommModel):
             p2p_nic_bps *= hw.efficiency.Simple
         node_of = {r: topo.rank_node[r] for r in ranks}
         local_count = {topo.rank_node[v[0]]: len(v) for v in node_ranks}
-        nic_share = p2p_nic_bps * nics / max_local if n_nodes > 1 else math.inf
+        # Measured hardware: p2p spreads over every NIC of the node (PXN), more NICs than GPUs too.
+        p2p_nics = min(nd.nics for nd in nodes) if hw is not None else nics
+        nic_share = p2p_nic_bps * p2p_nics / max_local if n_nodes > 1 else math.inf
         p2p = _P2P(lat_intra_us, lat_inter_us, node_of, local_count, n_ranks, p2p_intra_bps, p2p_nic_bps, nic_share)
-        line_gbps = intra_gbps if n_nodes == 1 else min(intra_gbps, nic_gbps * nics)
+        # A ring's every channel crosses each node boundary, so across nodes it moves at most what
+        # all the node's NICs carry (NCCL spreads channels over every NIC, more NICs than GPUs too).
+        node_net_gbps = nic_gbps * min(nd.nics for nd in nodes) if n_nodes > 1 else math.inf
+        line_gbps = min(intra_gbps, node_net_gbps)
         return _GroupTables(candidates, p2p, n_ranks, n_nodes, ring_graph.n_channels, min_cc, ring_order, node_ranks,
-                            hw, hw_c, line_gbps, intra_gbps, ppn, intra_hw, lat_inter_s * 1e6)
+                            hw, hw_c, line_gbps, intra_gbps, ppn, intra_hw, lat_inter_s * 1e6, node_net_gbps)
 
     def _speeds(self, min_cc: int, inter: bool) -> tuple[float, ...]:
         c = self.c
@@ -608,6 +624,13 @@ class NcclModel(CommModel):
 # (src/include/device.h, comm.h), by protocol index.
 _MAX_THREADS = (512, 640, 512)
 _THREAD_THRESHOLD = (8, 8, 64)
+
+
+def _ramp(h: "hardware.Section", n: int, nbytes: int) -> float:
+    """How much longer than at full bandwidth the bytes take at this size (the profile's ramp)."""
+    if not h.half_bytes or not nbytes:
+        return 1.0
+    return 1.0 + (h.half_bytes * n / nbytes) ** h.ramp_exponent
 
 
 def _with_profile(c: dict, hw: "hardware.Section", intra_hw: int) -> dict:
