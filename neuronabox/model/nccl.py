@@ -248,7 +248,7 @@ class _GroupTables:
         self.hw_c = hw_c  # NCCL's constants with the profile's latencies in place
         self.line_gbps = line_gbps  # the bottleneck link's line rate, GB/s per rank (NVLink/PCIe, or the NICs)
         self.nvlink_gbps = nvlink_gbps
-        self.hw_lat: dict[tuple[int, int, int], float] = {}  # (func, algo, proto) -> µs, filled on use
+        self.hw_lat: dict[tuple[int, int, int], tuple] = {}  # (func, algo, proto) -> _hw_terms, filled on use
         self.ppn = ppn
         self.intra_hw = intra_hw
         self.lat_inter_us = lat_inter_us
@@ -351,18 +351,33 @@ class NcclModel(CommModel):
         return lat + nbytes / (1000.0 * bw)
 
     def _hw_time(self, t: _GroupTables, func: int, cand: _Candidate, nbytes: int) -> float:
-        """What the hardware takes for NCCL's choice, in µs: the profile's latencies and achieved bandwidth."""
+        """What the profiled hardware takes for one of NCCL's candidates, in µs (the hot path: arithmetic on cached terms)."""
+        terms = t.hw_lat.get((func, cand.algo, cand.proto))
+        if terms is None:
+            terms = t.hw_lat[(func, cand.algo, cand.proto)] = self._hw_terms(t, func, cand)
+        lat, threshold, ch_bw, cap, mult = terms
+        h = t.hw
+        if threshold:
+            # NCCL runs small operations on fewer channels than the communicator has (enqueue's
+            # `while (nBytes < nc*nt*threadThreshold) nc--`); each channel moves channel_GBps.
+            # Continuous here, so that a time never drops as the bytes grow.
+            nc = max(1.0, min(t.n_channels, nbytes / threshold))
+            bw = min(nc * ch_bw, cap) * mult
+        else:
+            bw = cap
+        if h.half_bytes and nbytes:
+            return lat + nbytes / (1000.0 * bw) * (1.0 + (h.half_bytes * t.n_ranks / nbytes) ** h.ramp_exponent)
+        return lat + nbytes / (1000.0 * bw)
+
+    def _hw_terms(self, t: _GroupTables, func: int, cand: _Candidate) -> tuple[float, float, float, float, float]:
+        """(latency µs, channel threshold bytes or 0, GB/s a channel, GB/s cap, algorithm factor) of a candidate."""
         h = t.hw
         a, p = cand.algo, cand.proto
-        key = (func, a, p)
-        lat = t.hw_lat.get(key)
-        if lat is None:
-            nsteps = 2 * (t.n_ranks - 1) if func == _ALL_REDUCE else t.n_ranks - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else t.n_ranks
-            hw_ring = t.intra_hw if t.n_nodes == 1 else HW_NET
-            lat = t.hw_lat[key] = h.launch_us + self._latency(
-                func, a, p, t.n_ranks, t.n_nodes, t.ppn, nsteps, t.intra_hw, hw_ring, t.lat_inter_us, t.hw_c
-            )
         n = t.n_ranks
+        nsteps = 2 * (n - 1) if func == _ALL_REDUCE else n - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else n
+        hw_ring = t.intra_hw if t.n_nodes == 1 else HW_NET
+        lat = h.launch_us + self._latency(func, a, p, n, t.n_nodes, t.ppn, nsteps, t.intra_hw, hw_ring, t.lat_inter_us,
+                                          t.hw_c)
         if a in (NVLS, NVLS_TREE):
             # NVSwitch reduces and multicasts: every rank's NVLink carries the data about once each way;
             # across nodes (NVLS tree) each node sends and receives the whole buffer once on its NICs.
@@ -371,26 +386,20 @@ class NcclModel(CommModel):
                 algbw *= n / (n - 1)
             if a == NVLS_TREE:
                 algbw = min(algbw, h.efficiency.Simple * t.line_gbps)
-            return lat + nbytes / (1000.0 * algbw) * _ramp(h, n, nbytes)
-        # NCCL runs small operations on fewer channels than the communicator has (enqueue's
-        # `while (nBytes < nc*nt*threadThreshold) nc--`); each channel moves channel_GBps. Below
-        # one channel NCCL halves the threads instead; the time is then latency, not bandwidth.
+            return lat, 0.0, 0.0, algbw, 1.0
         threshold = _MAX_THREADS[p] * _THREAD_THRESHOLD[p] * (n if (a == RING and p == LL) else 1)
-        nc = max(1.0, min(t.n_channels, nbytes / threshold))  # continuous: a time never drops as bytes grow
         if a == TREE:
             # NCCL's tree: a chain inside each node, whose GPU links carry the buffer twice (NCCL's
             # tuning halves the tree's bandwidth), and across nodes each node sends and receives
             # the buffer once on its NICs, where a ring sends 2(n-1)/n of it per rank.
             tree_line = min(0.5 * t.nvlink_gbps, t.line_gbps if t.n_nodes == 1 else t.node_net_gbps)
-            bus = h.tree_efficiency * min(nc * h.channel_GBps.get(p), h.efficiency.get(p) * tree_line)
-            return lat + nbytes / (1000.0 * bus) * _ramp(h, n, nbytes)
-        bus = min(nc * h.channel_GBps.get(p), h.efficiency.get(p) * t.line_gbps)
+            return lat, threshold, h.channel_GBps.get(p), h.efficiency.get(p) * tree_line, h.tree_efficiency
+        mult = 1.0
         if a == PAT:
-            bus *= 0.75
+            mult = 0.75
         elif not (a != RING and func in (_ALL_GATHER, _REDUCE_SCATTER)):
-            nsteps = 2 * (n - 1) if func == _ALL_REDUCE else n - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else n
-            bus *= n / nsteps
-        return lat + nbytes / (1000.0 * bus) * _ramp(h, n, nbytes)
+            mult = n / nsteps
+        return lat, threshold, h.channel_GBps.get(p), h.efficiency.get(p) * t.line_gbps, mult
 
     # ---- communicator creation ----------------------------------------------------------------
     def _derive(self, group: Group) -> _GroupTables:
@@ -624,13 +633,6 @@ class NcclModel(CommModel):
 # (src/include/device.h, comm.h), by protocol index.
 _MAX_THREADS = (512, 640, 512)
 _THREAD_THRESHOLD = (8, 8, 64)
-
-
-def _ramp(h: "hardware.Section", n: int, nbytes: int) -> float:
-    """How much longer than at full bandwidth the bytes take at this size (the profile's ramp)."""
-    if not h.half_bytes or not nbytes:
-        return 1.0
-    return 1.0 + (h.half_bytes * n / nbytes) ** h.ramp_exponent
 
 
 def _with_profile(c: dict, hw: "hardware.Section", intra_hw: int) -> dict:
