@@ -208,3 +208,15 @@ def test_published_dataset_logs_all_parse():
         for entry in meta["logs"]:
             m = hf.measured_points(topo, read_log(folder / entry["file"], ranks=meta["gpus"]))
             assert m.log.rows and m.log.op.value.replace("_", "") == entry["collective"].replace("_", "")
+
+
+def test_cli_refuses_a_truncated_log_and_a_log_of_another_collective_with_exit_2(tmp_path, truth_times):
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=1, extra=""))
+    text = log_text(truth_times)
+    (tmp_path / "all_reduce_perf.txt").write_text(text[: text.index("  1048576")] + "  1048576  262144  float  sum\n")
+    r = nbox("calibrate", "t.yaml", "--from-nccl-tests", "all_reduce_perf.txt", cwd=tmp_path)
+    assert r.returncode == 2 and "all_reduce_perf.txt: line" in r.stderr and "cut short" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.hardware.yaml").exists()
+    (tmp_path / "all_gather_perf.txt").write_text(log_text(truth_times))  # all-reduce rows named all-gather
+    r = nbox("bench", "t.yaml", "--compare", "all_gather_perf.txt", cwd=tmp_path)
+    assert r.returncode == 2 and "busbw/algbw is 1.750, not the 0.875 of all_gather" in r.stderr, r.stderr
