@@ -9,7 +9,7 @@ device and network fabric). For every system and size the table gives
   those profiles in neuronabox/model/hardware/, which the model then inherits);
 - leave-one-out: the same profile fitted without this system (if it covers no other system:
   fitted on every other system of the same scope, single- or multi-node), predicting it;
-- own log: the profile ``nbox calibrate --from-nccl-tests`` fits on this system's logs alone;
+- own log: the profile ``nbox calibrate --from-nccl-tests LOG`` fits on this log alone;
 - half: fitted on every other size of the logs, predicting the sizes left out;
 - NCCL: NCCL's own tuning times (``emulation.hardware: none``), what the model said before.
 
@@ -164,8 +164,8 @@ def main() -> None:
             mates = [o for o in systems if o is not s and o.multi == s.multi]
             loo_basis = "every other " + ("multi-node" if s.multi else "single-node") + " system"
         loo = fit(mates) if mates else None
-        own = fit([s])
         for m in s.measured:
+            own = fit_section([m], network=s.multi)  # what nbox calibrate --from-nccl-tests LOG fits
             cells = {
                 "shipped": errors(m, shipped),
                 "leave-one-out": errors(m, loo) if loo else [],
