@@ -13,6 +13,13 @@ It owns what changes while a cluster runs:
 - per-link counters read from the kernel on each scrape: bytes and packets (the sending end's
   tx counters) and drops (its qdisc's drops, its tx drops and the receiver's rx drops),
   exported as ``nbox_link_*`` metrics in base units.
+
+The API is strict: a POST body is a ``ShapeRequest`` (pydantic, unknown fields refused), every
+number within the bounds of ``neuronabox.units`` (rate 0 or up to 100 Tbit/s, delay and jitter
+0-60 s, loss 0-1), at most ``MAX_BODY`` bytes read within ``READ_TIMEOUT_S``; anything else is
+a 4xx naming the field and the bound. A change goes to the kernel first and is kept (in memory
+and in the state file) only when every part of it took; otherwise what was applied is put back
+and the reply is a 500 that says so.
 """
 
 from __future__ import annotations
@@ -26,26 +33,54 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote
 
-from ..errors import InputError
-from ..units import UnitError, parse_bandwidth, parse_duration, parse_ratio
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+
+from ..errors import InputError, NboxError
+from ..units import UnitError, as_float, check_bandwidth, check_latency, parse_bandwidth, parse_latency, parse_ratio
 from .netns import Namespace
 from .nfqueue import DelayLine
 from .relay import Delays, DelayTable, TimerQueue
 from .relay_pool import RelayPool
-from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, iptables, loss_rules, mechanisms
+from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, delete_root, iptables, loss_rules, mechanisms
 from .state import ClusterState
 from .steering import steer_flows, steering
 
-__all__ = ["Agent", "NoSuchLink", "parse_shape_changes", "main"]
+__all__ = ["Agent", "NoSuchLink", "ShapeRefused", "ShapeRequest", "parse_shape_changes", "main"]
+
+MAX_BODY = 64 * 1024  # bytes: a shape request is under 200
+READ_TIMEOUT_S = 5.0  # a client that announces more than it sends is dropped after this
+LISTEN_BACKLOG = 128  # http.server's default of 5 reset a burst of 100 connections
 
 
 class JsonRequestHandler(BaseHTTPRequestHandler):
-    """The agents' HTTP handlers: JSON (or text) replies, and no per-request log lines."""
+    """The agents' HTTP handlers: JSON (or text) replies, a read timeout, and no per-request log lines."""
 
     server_version = "nbox-agent"
+    timeout = READ_TIMEOUT_S  # StreamRequestHandler sets it on the socket: headers and body alike
+
+    def read_body(self) -> bytes:
+        """The request's body, at most MAX_BODY bytes; InputError (400) for a bad or missing length."""
+        if self.headers.get("Transfer-Encoding"):
+            raise InputError("Transfer-Encoding: not accepted, send Content-Length")
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return b""
+        raw = raw.strip()
+        # int() would take '+5', ' 5', '٥' and a 4,000-digit number; a length is a few ASCII digits.
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+            raise InputError(f"Content-Length: expected a number of bytes, got {raw[:40]!r}")
+        n = int(raw)
+        if n > MAX_BODY:
+            raise BodyTooLarge(f"Content-Length: {n} bytes, at most {MAX_BODY}")
+        data = self.rfile.read(n)  # TimeoutError after READ_TIMEOUT_S of silence
+        if len(data) != n:
+            raise InputError(f"Content-Length: {n} bytes announced, {len(data)} sent")
+        return data
 
     def log_message(self, fmt, *args):
         """Nothing: the agent's log keeps errors only, not a line per request."""
@@ -58,30 +93,100 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a listen backlog for bursts of clients (a real one: 5 reset 24 of 100)."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
 class NoSuchLink(InputError):
     """A link name the cluster does not have (HTTP 404)."""
 
 
+class BodyTooLarge(InputError):
+    """A request body over MAX_BODY (HTTP 413)."""
+
+
+class ShapeRefused(NboxError):
+    """The kernel refused a change; what was applied of it is undone and the link keeps its shape (HTTP 500)."""
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as a float, None for anything else (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return as_float(value)
+
+
+def _rate(value: Any) -> float:
+    # 0 (or "none", "unlimited") takes the limit away; a number is bytes/s.
+    num = _number(value)
+    if num is not None:
+        return 0.0 if num == 0 else check_bandwidth(num)
+    if isinstance(value, str) and value.strip() in ("0", "none", "unlimited"):
+        return 0.0
+    return parse_bandwidth(value)
+
+
+def _latency(value: Any) -> float:
+    num = _number(value)  # a number is seconds
+    return check_latency(num) if num is not None else parse_latency(value)
+
+
+def _unit_error(fn):
+    """A parser whose UnitError reaches pydantic as the ValueError it reports per field."""
+    def check(value: Any) -> float:
+        try:
+            return fn(value)
+        except UnitError as exc:
+            raise ValueError(str(exc)) from None
+    return check
+
+
+class ShapeRequest(BaseModel):
+    """The body of ``POST /links/<name>``: each field optional, strings with units or numbers in base units."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    rate: Annotated[float, BeforeValidator(_unit_error(_rate))] = None  # type: ignore[assignment] - null is refused, absent is None
+    delay: Annotated[float, BeforeValidator(_unit_error(_latency))] = None  # type: ignore[assignment]
+    jitter: Annotated[float, BeforeValidator(_unit_error(_latency))] = None  # type: ignore[assignment]
+    loss: Annotated[float, BeforeValidator(_unit_error(parse_ratio))] = None  # type: ignore[assignment]
+    direction: Literal["both", "ab", "ba"] = "both"
+
+    def changes(self) -> dict[str, float]:
+        """The fields given, in base units (bytes/s, s, fraction)."""
+        return self.model_dump(exclude_unset=True, exclude={"direction"})
+
+
+def _validation_error(exc: ValidationError) -> InputError:
+    """The first problem of a request as one line naming the field."""
+    err = exc.errors(include_url=False)[0]
+    field = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "json_invalid":
+        return InputError(f"body is not JSON: {msg}")
+    if err["type"] == "model_type":
+        return InputError("body must be a JSON object")
+    if err["type"] == "extra_forbidden":
+        return InputError(f"unknown field {field!r} (rate, delay, jitter, loss, direction)")
+    return InputError(f"{field}: {msg}")
+
+
+def parse_shape_request(body: bytes | dict) -> ShapeRequest:
+    """A POST body (raw JSON or already a dict) as a ShapeRequest; InputError naming the field and bound."""
+    try:
+        if isinstance(body, dict):
+            return ShapeRequest.model_validate(body)
+        return ShapeRequest.model_validate_json(body or b"{}")
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
 def parse_shape_changes(body: dict) -> dict[str, float]:
     """Validate a POST body into base units (bytes/s, s, fraction); raises InputError."""
-    out: dict[str, float] = {}
-    parsers = {"rate": parse_bandwidth, "delay": parse_duration, "jitter": parse_duration, "loss": parse_ratio}
-    for key, value in body.items():
-        if key in ("direction", "toxics"):
-            continue
-        if key not in parsers:
-            raise InputError(f"unknown field {key!r} (rate, delay, jitter, loss, direction)")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            num = float(value)
-            if num < 0 or (key == "loss" and num > 1):
-                raise InputError(f"{key}: out of range: {value!r}")
-            out[key] = num
-        else:
-            try:
-                out[key] = 0.0 if key == "rate" and str(value).strip() in ("0", "none", "unlimited") else parsers[key](value)
-            except UnitError as exc:
-                raise InputError(f"{key}: {exc}") from None
-    return out
+    return parse_shape_request(body).changes()
 
 
 class Agent:
@@ -255,35 +360,49 @@ class Agent:
     def _set_link(self, lid: int, changes: dict[str, float], direction: str) -> dict:
         if direction not in ("both", "ab", "ba"):
             raise InputError(f"direction: expected both, ab or ba, got {direction!r}")
-        lk = self.links[lid]
         with self.lock:
             dirs = [0, 1] if direction == "both" else [0 if direction == "ab" else 1]
-            for d in dirs:
-                for k, v in changes.items():
-                    setattr(self.shapes[lid][d], k, v)
+            old = self.shapes[lid]
+            # The kernel first: the new shapes are what _apply reads, and stay only if every part took.
+            self.shapes[lid] = [replace(s, **changes) if d in dirs else replace(s) for d, s in enumerate(old)]
+            try:
+                self._apply(lid, changes, dirs)
+            except Exception as exc:  # noqa: BLE001 - a refusal of the kernel, of iptables or of a relay
+                self.shapes[lid] = old
+                try:
+                    self._apply(lid, changes, dirs)  # the old shapes back, through the same path
+                except Exception as undo:  # noqa: BLE001
+                    print(f"nbox agent: undoing a refused change of link {lid} failed too: {undo}", file=sys.stderr, flush=True)
+                raise ShapeRefused(f"link {self.links[lid]['name']}: the kernel refused the change "
+                                   f"({type(exc).__name__}: {str(exc)[:200]}); the link keeps its shape") from None
             ab, ba = self.shapes[lid]
-            if "rate" in changes or (self.netem and changes):
-                for d in dirs:
-                    end = lk["a"] if d == 0 else lk["b"]
-                    self._set_rate(end, self.shapes[lid][d])
-                self._steer({lk["a"]["ns"], lk["b"]["ns"]})
-            if "loss" in changes and not self.netem:
-                from types import SimpleNamespace as NS
-
-                link = NS(id=lid, a=NS(**lk["a"]), b=NS(**lk["b"]))
-                rules = loss_rules(link, ab.loss, ba.loss)
-                touched = sorted({lk["a"]["ns"], lk["b"]["ns"]})
-                with ClusterState(self.name).locked() as st:
-                    st.record("iptables", [{"ns": ns, "chains": LOSS_CHAIN} for ns in touched]
-                              + [{"ns": ns, "rule": r} for ns in touched for r in rules.get(ns, [])])
-                for ns in touched:
-                    apply_loss(Namespace(ns), rules.get(ns, []), {lid})
-            if ("delay" in changes or "jitter" in changes) and not self.netem:
-                self._sync_relay()
             with ClusterState(self.name).locked() as st:
                 st.data.setdefault("shapes", {})[str(lid)] = [ab.as_dict(), ba.as_dict()]
                 st.save()
         return self.view(lid)
+
+    def _apply(self, lid: int, changes: dict[str, float], dirs: list[int]) -> None:
+        """Make the kernel, the loss rules and the relays' delay table match ``self.shapes[lid]`` for the changed fields."""
+        lk = self.links[lid]
+        ab, ba = self.shapes[lid]
+        if "rate" in changes or (self.netem and changes):
+            for d in dirs:
+                end = lk["a"] if d == 0 else lk["b"]
+                self._set_rate(end, self.shapes[lid][d])
+            self._steer({lk["a"]["ns"], lk["b"]["ns"]})
+        if "loss" in changes and not self.netem:
+            from types import SimpleNamespace as NS
+
+            link = NS(id=lid, a=NS(**lk["a"]), b=NS(**lk["b"]))
+            rules = loss_rules(link, ab.loss, ba.loss)
+            touched = sorted({lk["a"]["ns"], lk["b"]["ns"]})
+            with ClusterState(self.name).locked() as st:
+                st.record("iptables", [{"ns": ns, "chains": LOSS_CHAIN} for ns in touched]
+                          + [{"ns": ns, "rule": r} for ns in touched for r in rules.get(ns, [])])
+            for ns in touched:
+                apply_loss(Namespace(ns), rules.get(ns, []), {lid})
+        if ("delay" in changes or "jitter" in changes) and not self.netem:
+            self._sync_relay()
 
     def _steer(self, namespaces: set[str]) -> None:
         """Steer (or stop steering) the namespaces' interfaces for their links' rates now (steering.py)."""
@@ -295,11 +414,8 @@ class Agent:
         ipr = self._ipr(end["ns"])
         try:
             apply_rate(ipr, end["index"], shape, self.rate_kind, change=True, netem=self.netem)
-        except Exception:  # noqa: BLE001 - no qdisc to change yet (an unshaped link): add one
-            try:
-                ipr.tc("del", index=end["index"])
-            except Exception:  # noqa: BLE001
-                pass
+        except Exception:  # noqa: BLE001 - no qdisc to change yet (an unshaped link), or tbf to htb above 34 Gbit/s: replace it
+            delete_root(ipr, end["index"])
             with ClusterState(self.name).locked() as st:
                 st.record("qdiscs", {"ns": end["ns"], "ifname": end["ifname"], "kind": self.rate_kind})
             apply_rate(ipr, end["index"], shape, self.rate_kind, change=False, netem=self.netem)
@@ -395,21 +511,21 @@ class Agent:
                         self._send(404, {"error": f"no such resource {path}"})
                         return
                     lid = agent.link_id(path[len("/links/"):])
-                    n = int(self.headers.get("Content-Length") or 0)
-                    try:
-                        body = json.loads(self.rfile.read(n) or b"{}")
-                    except json.JSONDecodeError as exc:
-                        raise InputError(f"body is not JSON: {exc}") from None
-                    if not isinstance(body, dict):
-                        raise InputError("body must be a JSON object")
-                    changes = parse_shape_changes(body)
-                    self._send(200, agent.set_link(lid, changes, body.get("direction", "both")))
+                    req = parse_shape_request(self.read_body())
+                    self._send(200, agent.set_link(lid, req.changes(), req.direction))
+                except TimeoutError:
+                    self.close_connection = True
+                    self._send(408, {"error": f"the body did not arrive within {READ_TIMEOUT_S:g} s"})
                 except NoSuchLink as exc:
                     self._send(404, {"error": str(exc)})
+                except BodyTooLarge as exc:
+                    self.close_connection = True  # the body is left unread
+                    self._send(413, {"error": str(exc)})
                 except InputError as exc:
+                    self.close_connection = True  # a body may be left unread
                     self._send(400, {"error": str(exc)})
-                except Exception as exc:  # noqa: BLE001 - the kernel refused: report, keep serving
-                    self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
+                except Exception as exc:  # noqa: BLE001 - the kernel refused (ShapeRefused) or worse: report, keep serving
+                    self._send(500, {"error": str(exc) if isinstance(exc, ShapeRefused) else f"{type(exc).__name__}: {exc}"})
 
         return Handler
 
@@ -431,7 +547,7 @@ class Agent:
                 except OSError as exc:
                     # The queue rule has --queue-bypass: this node's ICMP/UDP then passes undelayed.
                     print(f"nbox agent: no NFQUEUE delay line in {h['ns']}: {exc}", file=sys.stderr, flush=True)
-        httpd = ThreadingHTTPServer(("127.0.0.1", port), self.handler())
+        httpd = _Server(("127.0.0.1", port), self.handler())
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True, name="nbox-agent-http").start()
         info = {"pid": os.getpid(), "port": httpd.server_address[1], "url": f"http://127.0.0.1:{httpd.server_address[1]}",

@@ -4,7 +4,7 @@ Layout: ``$NBOX_STATE_DIR/<name>/state.json`` (default ``/run/neuronabox`` for r
 ``<name>.agent.log``, the agent's log of the last cluster of that name that ``up`` found broken
 and removed (why its agent died outlives the cluster). Every write is
 the whole document to a temporary file, fsync'd, renamed over the old one and the directory
-fsync'd, so a reader (``nbox down`` after a crash or a ``kill -9`` of ``up``) sees either the
+fsync'd (never NaN or Infinity, which are not JSON), so a reader (``nbox down`` after a crash or a ``kill -9`` of ``up``) sees either the
 old or the new document, never half of one. Objects are recorded *before* they are created:
 an entry whose object never came to exist is harmless to ``down`` (it skips what is missing),
 whereas an object without an entry would be leaked.
@@ -109,7 +109,9 @@ class ClusterState:
         """Write the document atomically and durably (tmp file, fsync, rename, fsync dir)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f".state.{os.getpid()}.tmp"
-        body = json.dumps(self.data, separators=(",", ":"), sort_keys=True).encode()
+        # allow_nan=False: NaN and Infinity are not JSON; a state holding one is refused here
+        # (ValueError), before it is written, rather than left for every later reader to fail on.
+        body = json.dumps(self.data, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, body)
