@@ -406,7 +406,20 @@ def _result(st: ClusterState, seconds: float = 0.0, already_up: bool = False, no
 
 # ---- down -----------------------------------------------------------------------------------------
 def down(name: str, timeout: float = 3.0, keep_lock: bool = False) -> dict:
-    """Remove everything cluster ``name`` made, from its state file (works after a crash)."""
+    """Remove everything cluster ``name`` made, from its state file (works after a crash).
+
+    ``keep_lock``: the caller (``up``) holds the cluster's lock. Otherwise ``down`` takes it, so
+    that it waits for an ``up`` of the same name to finish (or to die: the lock goes with its
+    process) instead of pulling namespaces from under it.
+    """
+    if keep_lock:
+        return _down(name, timeout, keep_lock=True)
+    ClusterState.load(valid_name(name))  # InputError for a cluster that does not exist, before a lock is made
+    with ClusterState(name).locked():
+        return _down(name, timeout, keep_lock=False)
+
+
+def _down(name: str, timeout: float, keep_lock: bool) -> dict:
     import psutil
 
     st = ClusterState.load(valid_name(name))

@@ -128,10 +128,20 @@ class ClusterState:
     @contextlib.contextmanager
     def locked(self) -> Iterator["ClusterState"]:
         """Hold the cluster's lock (up, down and the agent all write the same file); reloads on entry."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
+        while True:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
+            # A `down` that held the lock meanwhile removed the file: this lock then guards
+            # nothing (a newcomer locks a new file), so take the one that is there now.
+            try:
+                current = os.stat(self.dir / "lock").st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        try:
             if self.path.exists():
                 fresh = json.loads(self.path.read_text())
                 for k in KINDS:
