@@ -128,6 +128,9 @@ def status_cmd(name: Optional[str] = NAME, as_json: bool = typer.Option(False, "
     for r in rows:
         t.add_row(*("-" if r[c] is None else str(r[c]) for c in cols))  # a local cluster has no agent
     console.print(t)
+    for r in rows:
+        if r.get("problem"):
+            console.print(f"[red]cluster {r['name']}: {r['problem']}[/red]", highlight=False)
     if nodes:
         for r in rows:
             _print_nodes(r["name"], r["hosts"])

@@ -299,6 +299,25 @@ class Agent:
         self.relays.set_delays(ns, table)
         self.loop.call_soon_threadsafe(self.delays.set, ns, table)
 
+    # ---- health ----------------------------------------------------------------------------
+    def parts_down(self) -> list[str]:
+        """What of the agent's delay path is not running now, one phrase each (empty: all is well)."""
+        if self.relays is None:
+            return []
+        return [f"delay relay {i} (pid {self.relays.workers[i].proc.pid}) is not running; the agent restarts it"
+                for i in self.relays.dead()]
+
+    async def supervise(self, every: float = 0.5) -> None:
+        """Restart dead relays, for as long as the agent runs."""
+        while True:
+            await asyncio.sleep(every)
+            if self.relays is not None and self.relays.dead():
+                try:
+                    revived = await self.loop.run_in_executor(None, self.relays.revive)
+                    print(f"nbox agent: restarted delay relay(s) {revived}", file=sys.stderr, flush=True)
+                except Exception as exc:  # noqa: BLE001 - tried again next round; /health says so meanwhile
+                    print(f"nbox agent: restarting a delay relay failed: {exc}", file=sys.stderr, flush=True)
+
     # ---- views ---------------------------------------------------------------------------
     def view(self, lid: int, counters: dict | None = None) -> dict:
         """A link as the API shows it."""
@@ -490,9 +509,12 @@ class Agent:
                         self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
                     elif path == "/health":
                         r, q = agent.relays, agent.delayline
-                        self._send(200, {"cluster": agent.name, "pid": os.getpid(), "relay_namespaces": sorted(agent.relay_ns),
-                                         "relay": None if r is None else r.stats(),
-                                         "nfqueue": None if q is None else {"queues": len(q.queues), "held": q.held, "released": q.released}})
+                        down = agent.parts_down()
+                        # 503 while a part is down: a probe that reads only the status sees it too.
+                        self._send(503 if down else 200, {
+                            "cluster": agent.name, "pid": os.getpid(), "healthy": not down, "down": down,
+                            "relay_namespaces": sorted(agent.relay_ns), "relay": None if r is None else r.stats(),
+                            "nfqueue": None if q is None else {"queues": len(q.queues), "held": q.held, "released": q.released}})
                     elif path == "/links":
                         c = agent.counters()
                         self._send(200, [agent.view(lid, c) for lid in sorted(agent.links)])
@@ -559,7 +581,9 @@ class Agent:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, stop.set)
+        supervisor = asyncio.create_task(self.supervise())
         await stop.wait()
+        supervisor.cancel()
         # No httpd.shutdown(): it waits out serve_forever's 0.5 s poll; the thread is a daemon.
         httpd.server_close()
         if self.delayline is not None:

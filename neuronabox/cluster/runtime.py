@@ -372,11 +372,52 @@ def _broken(st: ClusterState) -> str:
     if gone:
         return f"namespace {gone[0]} is gone" + (f", and {len(gone) - 1} more" if len(gone) > 1 else "")
     dead = [p for p in st["processes"] if p.get("role") == "agent" and not _alive(p)]
-    return f"its shaping agent (pid {dead[0].get('pid')}) is not running" if dead else ""
+    if dead:
+        return f"its shaping agent (pid {dead[0].get('pid')}) is not running"
+    # A node's stub: the latest one started for it (a dead one's record stays when another replaces it).
+    stubs = {p.get("node"): p for p in st["processes"] if p.get("role") == "stub"}
+    dead = [p for p in stubs.values() if not _alive(p)]
+    if dead:
+        return f"the stub of {dead[0].get('node')} (pid {dead[0].get('pid')}) is not running"
+    return _agent_says(st)
+
+
+def _agent_says(st: ClusterState, timeout: float = 1.0) -> str:
+    """What the agent's /health reports down (a delay relay it is restarting), or '' when all is well."""
+    import urllib.error
+    import urllib.request
+
+    url = (st.get("agent") or {}).get("url")
+    if not url:
+        return ""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as exc:  # 503: a part is down
+        try:
+            body = json.loads(exc.read())
+        except ValueError:
+            return f"its shaping agent answers /health with {exc.code}"
+    except (OSError, ValueError) as exc:
+        return f"its shaping agent at {url} does not answer ({exc})"
+    down = body.get("down") or []
+    return down[0] if down else ""
 
 
 def _healthy(st: ClusterState) -> bool:
     return not _broken(st)
+
+
+def _health(st: ClusterState) -> dict:
+    """``healthy``, and when it is not, ``problem``: what is down and the command that fixes it."""
+    if st.get("phase") != "up":
+        return {"healthy": False, "problem": f"phase {st.get('phase')!r}: `nbox down {st.name}` removes what was made"}
+    broken = _broken(st)
+    if not broken:
+        return {"healthy": True, "problem": None}
+    if "the agent restarts it" in broken:  # a delay relay: back within a second, nothing to do
+        return {"healthy": False, "problem": broken}
+    return {"healthy": False, "problem": f"{broken}; `nbox up {st.get('topology')} --name {st.name}` rebuilds it"}
 
 
 def _keep_agent_log(st: ClusterState) -> Path | None:
@@ -481,7 +522,7 @@ def status(name: str | None = None) -> list[dict]:
             "links": len(plan.get("links", [])),
             "namespaces": f"{present}/{len(st['namespaces'])}",
             "agent": (st.get("agent") or {}).get("url") if any(_alive(p) for p in agents) else None,
-            "healthy": st.get("phase") == "up" and _healthy(st),
+            **_health(st),
         })
     return out
 
