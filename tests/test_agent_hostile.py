@@ -229,3 +229,34 @@ def test_parse_shape_changes_is_the_cli_s_and_the_agent_s_check():
     assert parse_shape_changes({"rate": "8Mbps", "delay": "2ms", "loss": "1%"}) == {"rate": 1e6, "delay": 2e-3, "loss": 0.01}
     with pytest.raises(InputError, match="delay: invalid latency"):
         parse_shape_changes({"delay": float("inf")})
+
+
+def test_fuzzed_requests_against_the_real_agent_are_4xx_or_within_bounds(cluster):
+    """The fuzz of tests/fuzzing.py against the real agent and kernel: never a 5xx, the state file
+    always strict JSON, unchanged by every refused request."""
+    from hypothesis import HealthCheck, given, settings
+
+    from .fuzzing import requests
+
+    path = ClusterState(cluster).path
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(requests)
+    def one(req):
+        where, body, length = req
+        before = path.read_bytes()
+        n = str(len(body)).encode() if length is None else length
+        code, reply, took = raw_request(cluster, b"POST " + where.replace("l0", LINK).encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                                        b"Content-Length: " + n + b"\r\nConnection: close\r\n\r\n", body)
+        assert code in (200, 400, 404, 408, 413), (code, reply[:300])
+        state = json.loads(path.read_bytes())
+        if code != 200:
+            assert path.read_bytes() == before
+        for d in state["shapes"].values():
+            for s in d:
+                assert 0 <= s["rate"] <= 12.5e12 and 0 <= s["delay"] <= 60 and 0 <= s["jitter"] <= 60 and 0 <= s["loss"] <= 1
+
+    one()
+    # Back to the cluster's shape for whatever runs next.
+    assert post(cluster, b'{"rate": "1Gbps", "delay": "1ms", "jitter": 0, "loss": 0}')[0] == 200

@@ -112,6 +112,12 @@ class ShapeRefused(NboxError):
     """The kernel refused a change; what was applied of it is undone and the link keeps its shape (HTTP 500)."""
 
 
+def _quoted(text: str) -> str:
+    """A name or path from a request as an error quotes it: repr, at most 60 characters."""
+    shown = repr(text)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
 def _number(value: Any) -> float | None:
     """A JSON number as a float, None for anything else (a bool is not a number here)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -228,7 +234,7 @@ class Agent:
         raw = name[1:] if name.startswith("l") else name
         if raw.isdigit() and int(raw) in self.links:
             return int(raw)
-        raise NoSuchLink(f"no link named {name!r} (GET /links lists them)")
+        raise NoSuchLink(f"no link named {_quoted(name)} (GET /links lists them)")
 
     def _ipr(self, ns: str):
         ipr = self.iprs.get(ns)
@@ -522,7 +528,7 @@ class Agent:
                         lid = agent.link_id(path[len("/links/"):])
                         self._send(200, agent.view(lid, agent.counters()))
                     else:
-                        self._send(404, {"error": f"no such resource {path}"})
+                        self._send(404, {"error": f"no such resource {_quoted(path)}"})
                 except InputError as exc:
                     self._send(404, {"error": str(exc)})
 
@@ -530,7 +536,7 @@ class Agent:
                 path = unquote(self.path.split("?")[0]).rstrip("/")
                 try:
                     if not path.startswith("/links/"):
-                        self._send(404, {"error": f"no such resource {path}"})
+                        self._send(404, {"error": f"no such resource {_quoted(path)}"})
                         return
                     lid = agent.link_id(path[len("/links/"):])
                     req = parse_shape_request(self.read_body())

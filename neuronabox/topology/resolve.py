@@ -10,6 +10,7 @@ import contextlib
 import copy
 import json
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,11 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     seen: dict[Any, Any] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:  # `? [a, b]`, `? {a: b}`: PyYAML's own check comes after ours
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(None, None, f"a key must be a plain value, not a {type(key).__name__}", mark) from None
         if key in seen:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(
@@ -118,6 +124,9 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 # A topology is a few levels deep; PyYAML composes (and constructs) recursively, so a document of
 # thousands of nested brackets would end in a RecursionError with thousands of lines of traceback.
 MAX_YAML_DEPTH = 32
+# Aliases share, they do not copy: ten of ten of ... ("billion laughs") is a small file whose
+# tree, walked by validation or printed in an error, has 10^9 leaves.
+MAX_YAML_ALIASES = 100
 
 
 def _compose_node(loader: _UniqueKeyLoader, parent: Any, index: Any) -> Any:
@@ -125,6 +134,11 @@ def _compose_node(loader: _UniqueKeyLoader, parent: Any, index: Any) -> Any:
     if depth >= MAX_YAML_DEPTH:
         raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
                                           loader.peek_event().start_mark)
+    if loader.check_event(yaml.AliasEvent):
+        loader._nbox_aliases = getattr(loader, "_nbox_aliases", 0) + 1
+        if loader._nbox_aliases > MAX_YAML_ALIASES:
+            raise yaml.composer.ComposerError(None, None, f"more than {MAX_YAML_ALIASES} aliases (*name)",
+                                              loader.peek_event().start_mark)
     loader._nbox_depth = depth + 1
     try:
         return yaml.composer.Composer.compose_node(loader, parent, index)
@@ -135,14 +149,43 @@ def _compose_node(loader: _UniqueKeyLoader, parent: Any, index: Any) -> Any:
 _UniqueKeyLoader.compose_node = _compose_node
 
 
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def _bracket_depth(text: str) -> tuple[int, int]:
+    """The deepest nesting of flow brackets (``[``, ``{``) in ``text``, and the offset where it passes MAX_YAML_DEPTH."""
+    depth = 0
+    for m in _BRACKETS.finditer(text):
+        depth = depth + 1 if m.group() in "[{" else max(0, depth - 1)
+        if depth > MAX_YAML_DEPTH:
+            return depth, m.start()
+    return depth, -1
+
+
 def load_yaml(text: str) -> Any:
     """YAML text as data with duplicate keys and deep nesting refused; raises yaml.YAMLError or ValueError."""
+    # PyYAML's scanner looks ahead to the end of every open flow collection (each bracket may
+    # start a key), so n nested brackets cost O(n^2) before the composer sees the first level:
+    # 2,000 took 4 s. Counted first, here; a bracket inside quotes counts too, which errs on the
+    # side of refusing a string of 33 unclosed brackets.
+    _, at = _bracket_depth(text)
+    if at >= 0:
+        line = text.count("\n", 0, at)
+        mark = yaml.Mark("<text>", at, line, at - (text.rfind("\n", 0, at) + 1), None, None)
+        raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", mark)
     # ValueError: an integer of more than 4,300 digits (Python's limit on int() of a string).
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+_REPR.maxlist = _REPR.maxdict = 8
+_REPR.maxlevel = 3
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    # reprlib: a value may be a large tree or a long string; its repr is cut while it is made.
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -158,7 +201,11 @@ def _path(loc: tuple[Any, ...]) -> str:
         if isinstance(part, int) and not is_key:
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + str(part)
+            text = str(part)
+            # An unknown key is the user's text: a newline in it would break the one-line error.
+            if not text.isprintable() or len(text) > 40:
+                text = _short(text)
+            out += ("." if out else "") + text
     return out
 
 
