@@ -34,7 +34,7 @@ sysdeps:
 test: venv sysdeps
 	$(BIN)/python -m pytest -q
 
-# Issue 31's long hostile-input fuzz (10,000 inputs per surface; about 10 minutes on 2 cores):
+# Issue 31's long hostile-input fuzz (10,000 inputs per surface; about 1.5 minutes on 2 cores):
 # writes benchmarks/results/fuzz_hostile.json. The default test suite runs 300 per surface.
 fuzz: venv
 	$(BIN)/python benchmarks/fuzz_hostile.py --examples 10000

@@ -80,10 +80,40 @@ def _set(doc: dict, path: tuple[str, ...], value: Any) -> None:
     doc[path[-1]] = value
 
 
+def _around(bound: float, unit: str, scale: float) -> st.SearchStrategy:
+    """Unit strings on both sides of a bound (``bound`` in ``unit``s) and near zero."""
+    near = st.floats(min_value=0.0, max_value=2.0).map(lambda f: f"{f * bound:.6g}{unit}")
+    return st.one_of(near, st.floats(min_value=-1e-6, max_value=1e-6).map(lambda f: f"{f * scale:.3g}{unit}"))
+
+
+# Values on both sides of each bound, so that many documents are accepted and every accepted
+# value is held to the bound (the hostile values above are nearly all refused).
+_NEAR = {
+    ("network", "link", "bandwidth"): _around(100, "Tbps", 1e6),
+    ("network", "link", "latency"): _around(60, "s", 1),
+    ("network", "link", "jitter"): _around(60000, "ms", 1),
+    ("network", "link", "loss"): st.floats(min_value=-0.5, max_value=1.5),
+    ("intra_node", "bandwidth"): _around(12.5, "TB/s", 1e6),
+    ("intra_node", "latency"): _around(60e6, "us", 1),
+    ("network", "switch_latency"): _around(60, "s", 1),
+    ("cluster", "ranks_per_node"): st.integers(min_value=-2, max_value=2 * MAX_RANKS_PER_NODE),
+    ("cluster", "nodes"): st.integers(min_value=-2, max_value=2000),
+    ("whatif", "world_size"): st.sampled_from([1, 2, 4, 1024, MAX_WORLD, MAX_WORLD + 1, 10**9]),
+    ("whatif", "latency_scale"): st.floats(min_value=-1, max_value=2000),
+    ("whatif", "bandwidth_scale"): st.floats(min_value=-1, max_value=2000),
+    ("network", "nics_per_node"): st.integers(min_value=-1, max_value=2 * MAX_RANKS_PER_NODE),
+    ("whatif", "inject", "all_reduce"): _around(60, "s", 1),
+}
+
+
 @st.composite
 def documents(draw) -> str:
-    """A valid topology with a few fields replaced by hostile values, as YAML text."""
+    """A valid topology with a few fields replaced by hostile values, or by values near their bounds, as YAML text."""
     doc = json.loads(json.dumps(BASE))
+    if draw(st.booleans()):
+        for path in draw(st.lists(st.sampled_from(sorted(_NEAR)), min_size=1, max_size=3)):
+            _set(doc, path, draw(_NEAR[path]))
+        return yaml.safe_dump(doc, allow_unicode=True)
     for path in draw(st.lists(st.sampled_from(_PATHS), min_size=1, max_size=4)):
         _set(doc, path, draw(values))
     if draw(st.booleans()):
@@ -132,7 +162,15 @@ def check_topology(text: str, limit_s: float = 2.0) -> str:
 
 # ---- agent requests ----------------------------------------------------------------------------
 _BODY_KEYS = ["rate", "delay", "jitter", "loss", "direction", "toxics", "Rate", ""]
+_NEAR_BODY = st.fixed_dictionaries({}, optional={
+    "rate": st.one_of(_around(100, "Tbps", 1e6), st.floats(min_value=-1, max_value=2 * MAX_BANDWIDTH), st.just("unlimited")),
+    "delay": st.one_of(_around(60, "s", 1), st.floats(min_value=-1, max_value=120)),
+    "jitter": st.one_of(_around(60000, "ms", 1), st.floats(min_value=-1, max_value=120)),
+    "loss": st.one_of(st.floats(min_value=-0.5, max_value=1.5), st.floats(0, 150).map(lambda f: f"{f:.3g}%")),
+    "direction": st.sampled_from(["both", "ab", "ba"]),
+}).map(lambda d: json.dumps(d).encode())
 _bodies = st.one_of(
+    _NEAR_BODY, _NEAR_BODY, _NEAR_BODY, _NEAR_BODY,
     st.dictionaries(st.sampled_from(_BODY_KEYS), values, max_size=4).map(lambda d: json.dumps(d).encode()),
     st.dictionaries(st.sampled_from(_BODY_KEYS), st.sampled_from(["both", "ab", "ba", "1Gbps", "2ms", "1%", 0, 1e308]),
                     max_size=4).map(lambda d: json.dumps(d).encode()),
@@ -141,11 +179,11 @@ _bodies = st.one_of(
     st.builds(lambda n: b'{"a":' * n + b"1" + b"}" * n, st.integers(0, 3000)),
     st.builds(lambda d: b'{"rate": ' + b"9" * d + b"}", st.integers(1, 6000)),
 )
-_lengths = st.one_of(st.just(None), st.sampled_from([b"abc", b"-5", b"+5", b" 5", b"1e3", b"0x10", b"", b"99999999999999999999",
+_lengths = st.one_of(st.just(None), st.just(None), st.just(None), st.sampled_from([b"abc", b"-5", b"+5", b" 5", b"1e3", b"0x10", b"", b"99999999999999999999",
                                                       str(10**12).encode(), b"65537"]))
 # The link that exists, most of the time: the bodies are what is fuzzed.
-_PATHS_HTTP = ["/links/l0"] * 6 + ["/links/nosuch", "/links/%00", "/other", "/links/" + "x" * 2000]
-requests = st.tuples(st.sampled_from(_PATHS_HTTP),
+_OTHER_PATHS = st.sampled_from(["/links/nosuch", "/links/%00", "/other", "/links/" + "x" * 2000])
+requests = st.tuples(st.one_of(st.just("/links/l0"), st.just("/links/l0"), st.just("/links/l0"), _OTHER_PATHS),
                      _bodies, _lengths)
 
 
