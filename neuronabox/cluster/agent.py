@@ -7,6 +7,8 @@ It owns what changes while a cluster runs:
   "loss": "0.1%", "direction": "both|ab|ba"}`` (strings with units, or numbers in bytes/s,
   seconds and fractions), applied live (``tc change`` through pyroute2, the relay's delay
   table, the loss rules); ``GET /metrics`` (Prometheus), ``GET /health``;
+- supervision: a delay relay or a stub (wire mode's peer, ``stub.py``) that dies is started
+  again within a second; ``GET /health`` answers 503 while a relay is down;
 - the user-space delay path for all node namespaces when the kernel lacks netem: the TCP relays
   (``relay.py``, one process per node CPU: ``relay_pool.py``) and the NFQUEUE delay line for
   ICMP and UDP (``nfqueue.py``), fed the same delay table;
@@ -314,9 +316,17 @@ class Agent:
                 for i in self.relays.dead()]
 
     async def supervise(self, every: float = 0.5) -> None:
-        """Restart dead relays, for as long as the agent runs."""
+        """Restart dead relays and stubs, for as long as the agent runs."""
+        from .stub import revive_stubs
+
         while True:
             await asyncio.sleep(every)
+            try:
+                revived = await self.loop.run_in_executor(None, revive_stubs, self.name)
+                if revived:
+                    print(f"nbox agent: restarted the stub(s) of {', '.join(revived)}", file=sys.stderr, flush=True)
+            except Exception as exc:  # noqa: BLE001 - tried again next round; status says so meanwhile
+                print(f"nbox agent: restarting a stub failed: {exc}", file=sys.stderr, flush=True)
             if self.relays is not None and self.relays.dead():
                 try:
                     revived = await self.loop.run_in_executor(None, self.relays.revive)

@@ -371,15 +371,23 @@ def _broken(st: ClusterState) -> str:
     gone = [n["name"] for n in st["namespaces"] if not Namespace(n["name"]).exists()]
     if gone:
         return f"namespace {gone[0]} is gone" + (f", and {len(gone) - 1} more" if len(gone) > 1 else "")
-    dead = [p for p in st["processes"] if p.get("role") == "agent" and not _alive(p)]
+    agents = [p for p in st["processes"] if p.get("role") == "agent"]
+    dead = [p for p in agents if not _alive(p)]
     if dead:
         return f"its shaping agent (pid {dead[0].get('pid')}) is not running"
+    says = _agent_says(st)
+    if "does not answer" in says:
+        # Killed a moment ago, it may not have finished dying: say what it will be.
+        time.sleep(0.2)
+        dead = [p for p in agents if not _alive(p)]
+        if dead:
+            return f"its shaping agent (pid {dead[0].get('pid')}) is not running"
     # A node's stub: the latest one started for it (a dead one's record stays when another replaces it).
     stubs = {p.get("node"): p for p in st["processes"] if p.get("role") == "stub"}
     dead = [p for p in stubs.values() if not _alive(p)]
     if dead:
-        return f"the stub of {dead[0].get('node')} (pid {dead[0].get('pid')}) is not running"
-    return _agent_says(st)
+        return f"the stub of {dead[0].get('node')} (pid {dead[0].get('pid')}) is not running; the agent restarts it"
+    return says
 
 
 def _agent_says(st: ClusterState, timeout: float = 1.0) -> str:

@@ -126,12 +126,19 @@ class ClusterState:
             os.close(dfd)
 
     @contextlib.contextmanager
-    def locked(self) -> Iterator["ClusterState"]:
-        """Hold the cluster's lock (up, down and the agent all write the same file); reloads on entry."""
+    def locked(self, blocking: bool = True) -> Iterator["ClusterState"]:
+        """Hold the cluster's lock (up, down and the agent all write the same file); reloads on entry.
+
+        ``blocking=False``: raise BlockingIOError at once when another process holds it.
+        """
         while True:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                raise
             # A `down` that held the lock meanwhile removed the file: this lock then guards
             # nothing (a newcomer locks a new file), so take the one that is there now.
             try:
