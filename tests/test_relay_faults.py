@@ -177,6 +177,19 @@ def test_a_killed_relay_is_reported_then_restarted(cluster):
     assert 0.002 <= took < 1.0  # delayed again: the new relay has the delay table
 
 
+def test_up_waits_for_the_agent_to_restart_a_relay_instead_of_rebuilding(cluster):
+    name, path = cluster
+    victim = health(name)[1]["relay"]["relays"][-1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    while health(name)[0] != 503 and time.monotonic() - t0 < 1:
+        time.sleep(0.01)
+    said: list[str] = []
+    res = rt.up(path, runtime="netns", name=name, progress=said.append)
+    assert res.already_up and rt.status(name)[0]["healthy"], said
+    assert health(name)[1]["relay"]["relays"][-1]["pid"] != victim
+
+
 def test_a_killed_stub_is_reported_then_restarted(cluster):
     name, path = cluster
     stub = next(p for p in ClusterState.load(name)["processes"] if p.get("role") == "stub")

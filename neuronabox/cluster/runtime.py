@@ -170,6 +170,11 @@ def up(
     with st.locked():
         if st.path.exists():
             broken = _broken(st) if st.get("phase") == "up" else ""
+            deadline = time.monotonic() + 3.0
+            while "the agent restarts it" in broken and time.monotonic() < deadline:
+                # A relay or stub the agent is starting again: back in a second, no rebuild owed.
+                time.sleep(0.1)
+                broken = _broken(st)
             if st.get("phase") == "up" and not broken:
                 if st.get("topology_name") != topo.name or st.get("runtime") != runtime:
                     raise InputError(
