@@ -66,11 +66,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fuzz_hostile.json"))
     args = ap.parse_args()
     harness = AgentHarness()
+    n = args.examples
     try:
         results = {
-            "topology_documents": run_surface("topology documents", documents(), check_topology, args.examples, args.seed),
-            "yaml_texts": run_surface("yaml texts", yaml_texts, check_topology, args.examples, args.seed),
-            "agent_requests": run_surface("agent requests", requests, lambda r: harness.check(*r), args.examples, args.seed),
+            "topology_documents": run_surface("topology documents", documents(), check_topology, n, args.seed),
+            "yaml_texts": run_surface("yaml texts", yaml_texts, check_topology, n, args.seed),
+            "agent_requests": run_surface("agent requests", requests, lambda r: harness.check(*r), n, args.seed),
         }
     finally:
         harness.close()

@@ -45,7 +45,7 @@ def remove_abandoned(prefix: str, root: str | None = None) -> list[Path]:
 
 @contextlib.contextmanager
 def owned_tempdir(prefix: str) -> Iterator[str]:
-    """A new temporary folder, locked by this process while in use and removed after; abandoned ones of ``prefix`` first."""
+    """A new temporary folder, locked by this process while in use, removed after; stale ones of ``prefix`` first."""
     remove_abandoned(prefix)
     path = tempfile.mkdtemp(prefix=prefix)
     # O_CLOEXEC: a child of the run must not inherit (and so keep) the lock after this process dies.

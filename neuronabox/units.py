@@ -5,11 +5,12 @@ people write bits (``100Gbps``), storage people write bytes (``25GB/s``); both a
 and nothing else is: a bare number is ambiguous and rejected, as is an unknown suffix.
 
 Bounds. Every quantity that enters nbox (a topology file, a CLI flag, a request to the shaping
-agent) is checked here, against bounds stated once: a bandwidth is finite, above zero and at most
-``MAX_BANDWIDTH`` (100 Tbit/s); a link latency or jitter is finite, at least zero and at most
+agent) is checked here, against bounds stated once: a bandwidth is finite, at least
+``MIN_BANDWIDTH`` (1 kbit/s) and at most ``MAX_BANDWIDTH`` (100 Tbit/s); a link latency or jitter is finite, at least zero and at most
 ``MAX_LATENCY`` (60 s); a ratio lies in [0, 1]. Beyond them a value is a typo or an attack, never
-a network: the kernel's qdiscs refuse (tbf's rate is a 64-bit count of bytes/s, netem's delay a
-32-bit tick count) and the models would compute infinities.
+a network: the kernel's qdiscs refuse (below about 100 bit/s a full-size frame takes longer
+than tbf's 32-bit count of timer ticks holds; pyroute2 sends tbf's rate as 32 bits) and the
+models would compute infinities.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 
 __all__ = [
     "UnitError",
+    "MIN_BANDWIDTH",
     "MAX_BANDWIDTH",
     "MAX_LATENCY",
     "as_float",
@@ -51,6 +53,7 @@ def _repr(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+MIN_BANDWIDTH = 1e3 / 8  # bytes/s: 1 kbit/s; a rate of 1 B/s made the kernel path fail (struct.error)
 MAX_BANDWIDTH = 100e12 / 8  # bytes/s: 100 Tbit/s, a hundred times today's fastest port
 MAX_LATENCY = 60.0  # s: one link's latency or jitter; TCP gives up on a connection long before
 
@@ -64,10 +67,10 @@ def as_float(value: object) -> float:
 
 
 def check_bandwidth(value: float, text: object = None) -> float:
-    """``value`` (bytes/s) if finite, above zero and at most 100 Tbit/s; else UnitError naming ``text``."""
+    """``value`` (bytes/s) if finite and within [1 kbit/s, 100 Tbit/s]; else UnitError naming ``text``."""
     shown = value if text is None else text
-    if not math.isfinite(value) or value <= 0 or value > MAX_BANDWIDTH:
-        raise UnitError(f"invalid bandwidth {_repr(shown)}: must be greater than zero and at most 100Tbps")
+    if not math.isfinite(value) or value < MIN_BANDWIDTH or value > MAX_BANDWIDTH:
+        raise UnitError(f"invalid bandwidth {_repr(shown)}: must lie between 1Kbps and 100Tbps")
     return float(value)
 
 

@@ -27,7 +27,7 @@ from neuronabox.cluster.shaping import LinkShape
 from neuronabox.errors import TopologyError
 from neuronabox.topology import parse_topology
 from neuronabox.topology.schema import MAX_NODES, MAX_RANKS_PER_NODE, MAX_WORLD, NAME_PATTERN
-from neuronabox.units import MAX_BANDWIDTH, MAX_LATENCY
+from neuronabox.units import MAX_BANDWIDTH, MAX_LATENCY, MIN_BANDWIDTH
 
 __all__ = ["documents", "yaml_texts", "check_topology", "requests", "AgentHarness"]
 
@@ -89,11 +89,11 @@ def _around(bound: float, unit: str, scale: float) -> st.SearchStrategy:
 # Values on both sides of each bound, so that many documents are accepted and every accepted
 # value is held to the bound (the hostile values above are nearly all refused).
 _NEAR = {
-    ("network", "link", "bandwidth"): _around(100, "Tbps", 1e6),
+    ("network", "link", "bandwidth"): st.one_of(_around(100, "Tbps", 1e6), _around(1, "Kbps", 1)),
     ("network", "link", "latency"): _around(60, "s", 1),
     ("network", "link", "jitter"): _around(60000, "ms", 1),
     ("network", "link", "loss"): st.floats(min_value=-0.5, max_value=1.5),
-    ("intra_node", "bandwidth"): _around(12.5, "TB/s", 1e6),
+    ("intra_node", "bandwidth"): st.one_of(_around(12.5, "TB/s", 1e6), _around(125, "B/s", 1)),
     ("intra_node", "latency"): _around(60e6, "us", 1),
     ("network", "switch_latency"): _around(60, "s", 1),
     ("cluster", "ranks_per_node"): st.integers(min_value=-2, max_value=2 * MAX_RANKS_PER_NODE),
@@ -148,12 +148,12 @@ def check_topology(text: str, limit_s: float = 2.0) -> str:
 
     for n in t.nodes:
         assert re.match(NAME_PATTERN, n.name) and 1 <= n.ranks <= MAX_RANKS_PER_NODE and n.nics <= MAX_RANKS_PER_NODE
-        assert 0 < n.intra_bandwidth <= MAX_BANDWIDTH and 0 <= n.intra_latency <= MAX_LATENCY
+        assert MIN_BANDWIDTH <= n.intra_bandwidth <= MAX_BANDWIDTH and 0 <= n.intra_latency <= MAX_LATENCY
         assert math.isfinite(n.compute_slowdown) and n.compute_slowdown > 0
     links = [t.network.link, *t.network.links]
     for lk in links:
         if lk.bandwidth is not None:
-            assert 0 < lk.bandwidth <= MAX_BANDWIDTH
+            assert MIN_BANDWIDTH <= lk.bandwidth <= MAX_BANDWIDTH
         for d in (lk.latency, lk.jitter):
             assert d is None or 0 <= d <= MAX_LATENCY
         assert lk.loss is None or 0 <= lk.loss <= 1
@@ -163,7 +163,8 @@ def check_topology(text: str, limit_s: float = 2.0) -> str:
 # ---- agent requests ----------------------------------------------------------------------------
 _BODY_KEYS = ["rate", "delay", "jitter", "loss", "direction", "toxics", "Rate", ""]
 _NEAR_BODY = st.fixed_dictionaries({}, optional={
-    "rate": st.one_of(_around(100, "Tbps", 1e6), st.floats(min_value=-1, max_value=2 * MAX_BANDWIDTH), st.just("unlimited")),
+    "rate": st.one_of(_around(100, "Tbps", 1e6), _around(1, "Kbps", 1), st.just("unlimited"),
+                      st.floats(min_value=-1, max_value=2 * MAX_BANDWIDTH), st.floats(min_value=-1, max_value=1000)),
     "delay": st.one_of(_around(60, "s", 1), st.floats(min_value=-1, max_value=120)),
     "jitter": st.one_of(_around(60000, "ms", 1), st.floats(min_value=-1, max_value=120)),
     "loss": st.one_of(st.floats(min_value=-0.5, max_value=1.5), st.floats(0, 150).map(lambda f: f"{f:.3g}%")),
@@ -257,7 +258,7 @@ class AgentHarness:
             for k, v in changes.items():
                 assert isinstance(v, float) and math.isfinite(v), (k, v)
                 bound = {"rate": MAX_BANDWIDTH, "delay": MAX_LATENCY, "jitter": MAX_LATENCY, "loss": 1.0}[k]
-                assert 0 <= v <= bound, (k, v)
+                assert 0 <= v <= bound and (k != "rate" or v == 0 or v >= MIN_BANDWIDTH), (k, v)
         else:
             assert len(self.applied) == before
             err = json.loads(reply)["error"]

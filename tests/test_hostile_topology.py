@@ -102,10 +102,10 @@ def test_world_bound_counts_overrides_before_building_anything():
 
 
 @pytest.mark.parametrize("parse,value", [
-    (parse_bandwidth, "1e30Gbps"), (parse_bandwidth, "1e999Gbps"), (parse_bandwidth, "100.1Tbps"),
+    (parse_bandwidth, "1e30Gbps"), (parse_bandwidth, "1e999Gbps"), (parse_bandwidth, "100.1Tbps"), (parse_bandwidth, "999bps"),
     (parse_latency, "1e12s"), (parse_latency, "1e999s"), (parse_latency, "61s"),
     (parse_ratio, float("nan")), (parse_ratio, "nan"), (parse_ratio, "inf%"), (parse_ratio, 10**5000),
-], ids=range(10))
+], ids=range(11))
 def test_units_refuse_values_past_their_bounds(parse, value):
     with pytest.raises(UnitError) as e:
         parse(value)

@@ -48,7 +48,9 @@ from .netns import Namespace
 from .nfqueue import DelayLine
 from .relay import Delays, DelayTable, TimerQueue
 from .relay_pool import RelayPool
-from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, delete_root, iptables, loss_rules, mechanisms
+from .shaping import (
+    LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, delete_root, iptables, loss_rules, mechanisms,
+)
 from .state import ClusterState
 from .steering import steer_flows, steering
 
@@ -157,7 +159,8 @@ class ShapeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    rate: Annotated[float, BeforeValidator(_unit_error(_rate))] = None  # type: ignore[assignment] - null is refused, absent is None
+    # Typed float with a None default: an explicit null is refused (validated), an absent field is None.
+    rate: Annotated[float, BeforeValidator(_unit_error(_rate))] = None  # type: ignore[assignment]
     delay: Annotated[float, BeforeValidator(_unit_error(_latency))] = None  # type: ignore[assignment]
     jitter: Annotated[float, BeforeValidator(_unit_error(_latency))] = None  # type: ignore[assignment]
     loss: Annotated[float, BeforeValidator(_unit_error(parse_ratio))] = None  # type: ignore[assignment]
@@ -407,7 +410,8 @@ class Agent:
                 try:
                     self._apply(lid, changes, dirs)  # the old shapes back, through the same path
                 except Exception as undo:  # noqa: BLE001
-                    print(f"nbox agent: undoing a refused change of link {lid} failed too: {undo}", file=sys.stderr, flush=True)
+                    print(f"nbox agent: undoing a refused change of link {lid} failed too: {undo}",
+                          file=sys.stderr, flush=True)
                 raise ShapeRefused(f"link {self.links[lid]['name']}: the kernel refused the change "
                                    f"({type(exc).__name__}: {str(exc)[:200]}); the link keeps its shape") from None
             ab, ba = self.shapes[lid]
@@ -417,7 +421,7 @@ class Agent:
         return self.view(lid)
 
     def _apply(self, lid: int, changes: dict[str, float], dirs: list[int]) -> None:
-        """Make the kernel, the loss rules and the relays' delay table match ``self.shapes[lid]`` for the changed fields."""
+        """Make the kernel, loss rules and relays' delay table match ``self.shapes[lid]`` in the changed fields."""
         lk = self.links[lid]
         ab, ba = self.shapes[lid]
         if "rate" in changes or (self.netem and changes):
@@ -449,7 +453,8 @@ class Agent:
         ipr = self._ipr(end["ns"])
         try:
             apply_rate(ipr, end["index"], shape, self.rate_kind, change=True, netem=self.netem)
-        except Exception:  # noqa: BLE001 - no qdisc to change yet (an unshaped link), or tbf to htb above 34 Gbit/s: replace it
+        # No qdisc to change yet (an unshaped link), or tbf to become htb above 34 Gbit/s: replace it.
+        except Exception:  # noqa: BLE001
             delete_root(ipr, end["index"])
             with ClusterState(self.name).locked() as st:
                 st.record("qdiscs", {"ns": end["ns"], "ifname": end["ifname"], "kind": self.rate_kind})
@@ -530,7 +535,8 @@ class Agent:
                         self._send(503 if down else 200, {
                             "cluster": agent.name, "pid": os.getpid(), "healthy": not down, "down": down,
                             "relay_namespaces": sorted(agent.relay_ns), "relay": None if r is None else r.stats(),
-                            "nfqueue": None if q is None else {"queues": len(q.queues), "held": q.held, "released": q.released}})
+                            "nfqueue": None if q is None else {"queues": len(q.queues), "held": q.held,
+                                                               "released": q.released}})
                     elif path == "/links":
                         c = agent.counters()
                         self._send(200, [agent.view(lid, c) for lid in sorted(agent.links)])
@@ -562,8 +568,9 @@ class Agent:
                 except InputError as exc:
                     self.close_connection = True  # a body may be left unread
                     self._send(400, {"error": str(exc)})
-                except Exception as exc:  # noqa: BLE001 - the kernel refused (ShapeRefused) or worse: report, keep serving
-                    self._send(500, {"error": str(exc) if isinstance(exc, ShapeRefused) else f"{type(exc).__name__}: {exc}"})
+                except Exception as exc:  # noqa: BLE001 - the kernel refused (ShapeRefused) or worse: report, serve on
+                    said = str(exc) if isinstance(exc, ShapeRefused) else f"{type(exc).__name__}: {exc}"
+                    self._send(500, {"error": said})
 
         return Handler
 

@@ -99,8 +99,9 @@ class RelayPool:
 
     def _spawn(self, w: _Worker) -> None:
         outboxes = {o.index: o.outbox.fileno() for o in self.workers if o is not w}
-        cfg = {"index": w.index, "cpu": w.cpu if self.pin else None, "namespaces": w.namespaces, "port": self.port, "homes": self.homes,
-               "control": w.remote_control.fileno(), "inbox": w.inbox.fileno(), "outboxes": outboxes}
+        cfg = {"index": w.index, "cpu": w.cpu if self.pin else None, "namespaces": w.namespaces, "port": self.port,
+               "homes": self.homes, "control": w.remote_control.fileno(), "inbox": w.inbox.fileno(),
+               "outboxes": outboxes}
         fds = [w.remote_control.fileno(), w.inbox.fileno(), *outboxes.values()]
         cmd = [sys.executable, "-m", "neuronabox.cluster.relay_pool", "--config", json.dumps(cfg),
                "--parent", str(os.getpid()), "--token", self.token]
@@ -124,7 +125,8 @@ class RelayPool:
 
     def dead(self) -> list[int]:
         """Indices of the relays that do not serve: the process ended, or it was restarted and listens not yet."""
-        return [w.index for w in self.workers if w.index in self.starting or (w.proc is not None and w.proc.poll() is not None)]
+        return [w.index for w in self.workers
+                if w.index in self.starting or (w.proc is not None and w.proc.poll() is not None)]
 
     def revive(self, timeout: float = 10.0) -> list[int]:
         """Start again every relay that died, with the current delays; returns their indices."""
@@ -242,7 +244,8 @@ async def _serve(cfg: dict) -> None:
             elif msg["op"] == "ping":
                 control.send(b'{"ok": true}')
             elif msg["op"] == "stats":
-                control.send(json.dumps({"connections": relay.connections, "bytes": relay.bytes, "refused": relay.refused,
+                control.send(json.dumps({"connections": relay.connections, "bytes": relay.bytes,
+                                         "refused": relay.refused,
                                          "errors": relay.errors + relay.timers.errors}).encode())
 
     loop.add_reader(inbox.fileno(), on_inbox)

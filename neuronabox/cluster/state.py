@@ -3,11 +3,11 @@
 Layout: ``$NBOX_STATE_DIR/<name>/state.json`` (default ``/run/neuronabox`` for root); beside it
 ``<name>.agent.log``, the agent's log of the last cluster of that name that ``up`` found broken
 and removed (why its agent died outlives the cluster). Every write is
-the whole document to a temporary file, fsync'd, renamed over the old one and the directory
-fsync'd (never NaN or Infinity, which are not JSON), so a reader (``nbox down`` after a crash or a ``kill -9`` of ``up``) sees either the
-old or the new document, never half of one. Objects are recorded *before* they are created:
-an entry whose object never came to exist is harmless to ``down`` (it skips what is missing),
-whereas an object without an entry would be leaked.
+the whole document (strict JSON: never NaN or Infinity) to a temporary file, fsync'd, renamed
+over the old one and the directory fsync'd, so a reader (``nbox down`` after a crash or a
+``kill -9`` of ``up``) sees either the old or the new document, never half of one. Objects are
+recorded *before* they are created: an entry whose object never came to exist is harmless to
+``down`` (it skips what is missing), whereas an object without an entry would be leaked.
 
 Names. A cluster name is ``[A-Za-z0-9_]{1,24}``; namespaces are ``nbx-<name>-h<i>`` (node i)
 and ``nbx-<name>-s<j>`` (switch j). Since a cluster name has no ``-``, two clusters' namespace

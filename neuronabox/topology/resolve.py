@@ -109,7 +109,8 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
             hash(key)
         except TypeError:  # `? [a, b]`, `? {a: b}`: PyYAML's own check comes after ours
             mark = key_node.start_mark
-            raise yaml.constructor.ConstructorError(None, None, f"a key must be a plain value, not a {type(key).__name__}", mark) from None
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain value, not a {type(key).__name__}", mark) from None
         if key in seen:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(
@@ -153,7 +154,7 @@ _BRACKETS = re.compile(r"[\[\]{}]")
 
 
 def _bracket_depth(text: str) -> tuple[int, int]:
-    """The deepest nesting of flow brackets (``[``, ``{``) in ``text``, and the offset where it passes MAX_YAML_DEPTH."""
+    """How deep flow brackets (``[``, ``{``) nest in ``text``, and the offset where they pass MAX_YAML_DEPTH (or -1)."""
     depth = 0
     for m in _BRACKETS.finditer(text):
         depth = depth + 1 if m.group() in "[{" else max(0, depth - 1)
@@ -217,7 +218,8 @@ def _pydantic_error(source: str, exc: ValidationError) -> TopologyError:
     if kind == "missing":
         message = "required field is missing"
     elif kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == NAME_PATTERN:
-        message = f"a name is 1-63 letters, digits, '_', '.' or '-', starting with a letter or digit (got {_short(value)})"
+        message = (f"a name is 1-63 letters, digits, '_', '.' or '-', starting with a letter or digit "
+                   f"(got {_short(value)})")
     elif kind == "extra_forbidden":
         message = f"unknown field (value {_short(value)})"
     elif kind == "value_error":
@@ -233,9 +235,9 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
     """Parse YAML text into a resolved ``Topology``."""
     try:
         data = load_yaml(text)
-    except ValueError as exc:
+    except ValueError:
         # int() of a string of more than 4,300 digits: the only ValueError a safe load raises.
-        raise TopologyError(source, "", f"YAML value out of range: an integer of more than 4300 digits ({exc.__class__.__name__})") from None
+        raise TopologyError(source, "", "YAML value out of range: an integer of more than 4300 digits") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
@@ -440,7 +442,8 @@ def _resize(entries: list[dict[str, Any]], rpn: int, world_size: int, source: st
         raise TopologyError(source, "whatif.world_size", f"{world_size} is not a multiple of {per} ranks per node")
     count = world_size // per
     if count > MAX_NODES:
-        raise TopologyError(source, "whatif.world_size", f"{world_size} ranks at {per} a node make {count} nodes: at most {MAX_NODES}")
+        raise TopologyError(source, "whatif.world_size",
+                            f"{world_size} ranks at {per} a node make {count} nodes: at most {MAX_NODES}")
     out = entries[:count]
     taken = {e["name"] for e in out}
     i = len(out)

@@ -36,7 +36,8 @@ def _unit_schema(kind: str, examples: str) -> WithJsonSchema:
 
 
 Bandwidth = Annotated[float, BeforeValidator(parse_bandwidth), _unit_schema("bandwidth", BANDWIDTH_EXAMPLES)]
-# Every duration of a topology is a latency (a link's, a switch's, a fabric's, an injected one): 0-60 s (units.MAX_LATENCY).
+# Every duration of a topology is a latency (a link's, a switch's, a fabric's, an injected one):
+# 0-60 s (units.MAX_LATENCY).
 Duration = Annotated[float, BeforeValidator(parse_latency), _unit_schema("duration", DURATION_EXAMPLES)]
 Ratio = Annotated[
     float,
@@ -52,7 +53,8 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 PositiveInt = Annotated[int, Field(ge=1, strict=True)]
 PerNode = Annotated[int, Field(ge=1, le=MAX_RANKS_PER_NODE, strict=True)]
 Factor = Annotated[float, Field(gt=0, le=MAX_FACTOR, allow_inf_nan=False)]
-Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1-63 letters, digits, '_', '.' or '-', starting with a letter or digit")]
+Name = Annotated[str, Field(pattern=NAME_PATTERN,
+                            description="1-63 letters, digits, '_', '.' or '-', starting with a letter or digit")]
 
 
 class _Strict(BaseModel):
@@ -113,8 +115,10 @@ class ExplicitLink(LinkOverride):
 class FatTree(_Strict):
     """A k-ary fat-tree (k pods of k/2 edge and k/2 aggregation switches, (k/2)^2 cores)."""
 
-    k: int | None = Field(None, ge=2, le=128, description="switch radix, even; default: the smallest that holds the nodes")
-    oversubscription: float = Field(1.0, ge=1.0, le=MAX_FACTOR, allow_inf_nan=False, description="edge down:up bandwidth ratio")
+    k: int | None = Field(None, ge=2, le=128,
+                          description="switch radix, even; default: the smallest that holds the nodes")
+    oversubscription: float = Field(1.0, ge=1.0, le=MAX_FACTOR, allow_inf_nan=False,
+                                    description="edge down:up bandwidth ratio")
 
     @field_validator("k")
     @classmethod
@@ -138,7 +142,8 @@ class Network(_Strict):
     """The inter-node network."""
 
     type: NetworkType = "switch"
-    nics_per_node: int | None = Field(None, ge=1, le=MAX_RANKS_PER_NODE, description="default 1 (rail-optimized: ranks per node)")
+    nics_per_node: int | None = Field(None, ge=1, le=MAX_RANKS_PER_NODE,
+                                      description="default 1 (rail-optimized: ranks per node)")
     link: LinkSpec = Field(description="every link's parameters unless a link says otherwise")
     switch_latency: Duration = Field(0.0, description="forwarding latency per switch crossed")
     mtu: int = Field(1500, ge=576, le=9216, description="IP MTU; with library gloo (TCP) it sets the payload share of a link")
