@@ -18,12 +18,14 @@ import signal
 __all__ = ["die_with_parent"]
 
 PR_SET_PDEATHSIG = 1
+# Looked up here, in the parent: die_with_parent runs between fork and exec, where loading a
+# library (dlopen takes the loader's lock, which another thread may have held at the fork) could hang.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def die_with_parent(parent: int | None = None) -> None:
     """Ask for SIGKILL when the parent (``parent``: its pid, checked after asking) dies; exit now if it already has."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return  # not Linux, or refused: the process lives as before
     # The parent may have died between the fork and the prctl: then nothing would ever signal.
     if parent is not None and os.getppid() != parent:
