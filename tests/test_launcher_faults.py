@@ -101,6 +101,7 @@ def test_kill_9_of_nbox_run_wire_mode_and_down_waits_for_up(tmp_path_factory, tm
                            env={**os.environ, "NBOX_STATE_DIR": str(state)}, capture_output=True, text=True, timeout=60)
         assert up.wait(60) == 0, up.stderr.read()
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert "is busy (`nbox up` pid" in r.stdout and "removed 17 namespaces" in r.stdout, r.stdout
         assert not ClusterState.exists("orph") and not [n for n in list_namespaces() if n.startswith("nbx-orph-")]
 
         rt.up(tmp_path / "up.yaml", runtime="netns", name="orph")

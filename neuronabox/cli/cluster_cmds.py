@@ -97,7 +97,7 @@ def down_cmd(name: Optional[str] = typer.Argument(None, help="Cluster name (defa
     from ..cluster.state import list_clusters
 
     for n in (list_clusters() if all_ else [_pick(name)]):
-        r = down(n)
+        r = down(n, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
         console.print(f"cluster {n}: removed {r['namespaces']} namespaces, ended {r['processes']} processes")
 
 

@@ -459,16 +459,24 @@ def _result(st: ClusterState, seconds: float = 0.0, already_up: bool = False, no
 
 
 # ---- down -----------------------------------------------------------------------------------------
-def down(name: str, timeout: float = 3.0, keep_lock: bool = False) -> dict:
+def down(name: str, timeout: float = 3.0, keep_lock: bool = False, progress=None) -> dict:
     """Remove everything cluster ``name`` made, from its state file (works after a crash).
 
     ``keep_lock``: the caller (``up``) holds the cluster's lock. Otherwise ``down`` takes it, so
     that it waits for an ``up`` of the same name to finish (or to die: the lock goes with its
-    process) instead of pulling namespaces from under it.
+    process) instead of pulling namespaces from under it; ``progress`` hears that it waits.
     """
     if keep_lock:
         return _down(name, timeout, keep_lock=True)
-    ClusterState.load(valid_name(name))  # InputError for a cluster that does not exist, before a lock is made
+    st = ClusterState.load(valid_name(name))  # InputError for a cluster that does not exist, before a lock is made
+    try:
+        with ClusterState(name).locked(blocking=False):
+            return _down(name, timeout, keep_lock=False)
+    except BlockingIOError:
+        pass
+    if progress is not None:
+        progress(f"cluster {name!r} is busy (`nbox up` pid {st.get('pid')}, or a change through its agent): "
+                 "waiting for it to finish")
     with ClusterState(name).locked():
         return _down(name, timeout, keep_lock=False)
 
