@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 (CPU build) lies on this kind of machine's disk; pinning it avoids a multi-GB CUDA download.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench published clean venv sysdeps gpu-kit
+.PHONY: demo test bench published fuzz clean venv sysdeps gpu-kit
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ sysdeps:
 
 test: venv sysdeps
 	$(BIN)/python -m pytest -q
+
+# Issue 31's long hostile-input fuzz (10,000 inputs per surface; about 1.5 minutes on 2 cores):
+# writes benchmarks/results/fuzz_hostile.json. The default test suite runs 300 per surface.
+fuzz: venv
+	$(BIN)/python benchmarks/fuzz_hostile.py --examples 10000
 
 bench: venv
 	$(BIN)/python benchmarks/model_speed.py

@@ -3,14 +3,30 @@
 Bandwidths are stored in bytes per second, durations in seconds, sizes in bytes. Network
 people write bits (``100Gbps``), storage people write bytes (``25GB/s``); both are accepted
 and nothing else is: a bare number is ambiguous and rejected, as is an unknown suffix.
+
+Bounds. Every quantity that enters nbox (a topology file, a CLI flag, a request to the shaping
+agent) is checked here, against bounds stated once: a bandwidth is finite, at least
+``MIN_BANDWIDTH`` (1 kbit/s) and at most ``MAX_BANDWIDTH`` (100 Tbit/s); a link latency or jitter is finite, at least zero and at most
+``MAX_LATENCY`` (60 s); a ratio lies in [0, 1]. Beyond them a value is a typo or an attack, never
+a network: the kernel's qdiscs refuse (below about 100 bit/s a full-size frame takes longer
+than tbf's 32-bit count of timer ticks holds; pyroute2 sends tbf's rate as 32 bits) and the
+models would compute infinities.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 __all__ = [
     "UnitError",
+    "MIN_BANDWIDTH",
+    "MAX_BANDWIDTH",
+    "MAX_LATENCY",
+    "as_float",
+    "check_bandwidth",
+    "check_latency",
+    "parse_latency",
     "parse_bandwidth",
     "parse_duration",
     "parse_size",
@@ -27,6 +43,43 @@ __all__ = [
 
 class UnitError(ValueError):
     """A string that is not a valid quantity of the expected kind."""
+
+
+def _repr(value: object) -> str:
+    """A value as an error message quotes it: at most 60 characters, so the message stays one line."""
+    if isinstance(value, int) and value.bit_length() > 200:  # repr of a 5,000-digit int raises ValueError
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+MIN_BANDWIDTH = 1e3 / 8  # bytes/s: 1 kbit/s; a rate of 1 B/s made the kernel path fail (struct.error)
+MAX_BANDWIDTH = 100e12 / 8  # bytes/s: 100 Tbit/s, a hundred times today's fastest port
+MAX_LATENCY = 60.0  # s: one link's latency or jitter; TCP gives up on a connection long before
+
+
+def as_float(value: object) -> float:
+    """A JSON or YAML number as a float; an integer too large for one is infinity (refused by every check)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def check_bandwidth(value: float, text: object = None) -> float:
+    """``value`` (bytes/s) if finite and within [1 kbit/s, 100 Tbit/s]; else UnitError naming ``text``."""
+    shown = value if text is None else text
+    if not math.isfinite(value) or value < MIN_BANDWIDTH or value > MAX_BANDWIDTH:
+        raise UnitError(f"invalid bandwidth {_repr(shown)}: must lie between 1Kbps and 100Tbps")
+    return float(value)
+
+
+def check_latency(value: float, text: object = None) -> float:
+    """``value`` (seconds) if finite and within [0, 60 s]; else UnitError naming ``text``."""
+    shown = value if text is None else text
+    if not math.isfinite(value) or value < 0 or value > MAX_LATENCY:
+        raise UnitError(f"invalid latency {_repr(shown)}: must lie between 0s and {MAX_LATENCY:g}s")
+    return float(value)
 
 
 _NUMBER = r"(?P<num>[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -67,10 +120,10 @@ _PATTERN = re.compile(r"^\s*" + _NUMBER + r"\s*(?P<unit>[^\s0-9.][^\s]*)?\s*$")
 
 def _split(text: object, kind: str, examples: str) -> tuple[float, str]:
     if isinstance(text, bool) or not isinstance(text, str):
-        raise UnitError(f"expected a {kind} with a unit as a string (e.g. {examples}), got {text!r}")
+        raise UnitError(f"expected a {kind} with a unit as a string (e.g. {examples}), got {_repr(text)}")
     m = _PATTERN.match(text)
     if not m or m.group("unit") is None:
-        raise UnitError(f"invalid {kind} {text!r} (expected a number and a unit, e.g. {examples})")
+        raise UnitError(f"invalid {kind} {_repr(text)} (expected a number and a unit, e.g. {examples})")
     return float(m.group("num")), m.group("unit")
 
 
@@ -78,46 +131,53 @@ def parse_bandwidth(text: object) -> float:
     """Parse ``100Gbps``/``25GB/s`` into bytes per second (must be > 0)."""
     num, unit = _split(text, "bandwidth", BANDWIDTH_EXAMPLES)
     if unit not in _BANDWIDTH:
-        raise UnitError(f"invalid bandwidth {text!r}: unknown unit {unit!r} (e.g. {BANDWIDTH_EXAMPLES})")
-    value = num * _BANDWIDTH[unit]
-    if value <= 0:
-        raise UnitError(f"invalid bandwidth {text!r}: must be greater than zero")
-    return value
+        raise UnitError(f"invalid bandwidth {_repr(text)}: unknown unit {_repr(unit)} (e.g. {BANDWIDTH_EXAMPLES})")
+    return check_bandwidth(num * _BANDWIDTH[unit], text)
 
 
 def parse_duration(text: object) -> float:
-    """Parse ``5us``/``2ms`` into seconds (>= 0)."""
+    """Parse ``5us``/``2ms`` into seconds (finite, >= 0)."""
     num, unit = _split(text, "duration", DURATION_EXAMPLES)
     if unit not in _DURATION:
-        raise UnitError(f"invalid duration {text!r}: unknown unit {unit!r} (e.g. {DURATION_EXAMPLES})")
-    return num * _DURATION[unit]
+        raise UnitError(f"invalid duration {_repr(text)}: unknown unit {_repr(unit)} (e.g. {DURATION_EXAMPLES})")
+    value = num * _DURATION[unit]
+    if not math.isfinite(value):  # 1e999s reads as infinity
+        raise UnitError(f"invalid duration {_repr(text)}: not a finite number")
+    return value
+
+
+def parse_latency(text: object) -> float:
+    """Parse a link latency or jitter (``2ms``) into seconds, within [0, 60 s]."""
+    return check_latency(parse_duration(text), text)
 
 
 def parse_size(text: object) -> int:
     """Parse ``64MiB``/``1GB``/``8B`` into a whole number of bytes."""
     num, unit = _split(text, "size", SIZE_EXAMPLES)
     if unit not in _SIZE:
-        raise UnitError(f"invalid size {text!r}: unknown unit {unit!r} (e.g. {SIZE_EXAMPLES})")
+        raise UnitError(f"invalid size {_repr(text)}: unknown unit {_repr(unit)} (e.g. {SIZE_EXAMPLES})")
     value = num * _SIZE[unit]
+    if not math.isfinite(value):
+        raise UnitError(f"invalid size {_repr(text)}: not a finite number")
     if value != int(value):
-        raise UnitError(f"invalid size {text!r}: not a whole number of bytes")
+        raise UnitError(f"invalid size {_repr(text)}: not a whole number of bytes")
     return int(value)
 
 
 def parse_ratio(text: object) -> float:
     """Parse ``0.1%`` or a plain fraction like ``0.001`` into a fraction in [0, 1]."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
+        value = as_float(text)
     elif isinstance(text, str):
         s = text.strip()
         try:
             value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
         except ValueError:
-            raise UnitError(f"invalid ratio {text!r} (e.g. {RATIO_EXAMPLES})") from None
+            raise UnitError(f"invalid ratio {_repr(text)} (e.g. {RATIO_EXAMPLES})") from None
     else:
-        raise UnitError(f"invalid ratio {text!r} (e.g. {RATIO_EXAMPLES})")
-    if not 0.0 <= value <= 1.0:
-        raise UnitError(f"invalid ratio {text!r}: must lie between 0 and 100%")
+        raise UnitError(f"invalid ratio {_repr(text)} (e.g. {RATIO_EXAMPLES})")
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise UnitError(f"invalid ratio {_repr(text)}: must lie between 0 and 100%")
     return value
 
 

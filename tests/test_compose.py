@@ -381,6 +381,7 @@ def test_agent_shapes_eth0_inside_a_node_namespace(tmp_path):
     """The in-container agent, on a namespace standing in for a container: finds it, puts tbf on eth0, serves."""
     import os
     import threading
+    import urllib.error
     import urllib.request
 
     from neuronabox.cluster.netns import Namespace
@@ -435,6 +436,15 @@ def test_agent_shapes_eth0_inside_a_node_namespace(tmp_path):
         req = urllib.request.Request(f"{base}/links/n0", data=json.dumps({"rate": "10Gbps"}).encode(), method="POST")
         urllib.request.urlopen(req, timeout=10).read()
         assert rps_masks(ns.path)["eth0/rx-0"] == "0"  # the CPU is the bottleneck there: not steered
+        # Hostile bodies (issue 31): the netns agent's strict reading, 4xx naming the field, nothing changed.
+        for body, code, said in ((b'{"rate": NaN}', 400, "rate: invalid bandwidth nan"),
+                                 (b'{"delay": "1e12s"}', 400, "delay: invalid latency '1e12s'"),
+                                 (b"[" * 100_000, 413, "Content-Length"), (b'{"colour": 1}', 400, "unknown field")):
+            req = urllib.request.Request(f"{base}/links/n0", data=body, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == code and said in json.loads(e.value.read())["error"]
+        assert json.loads(urllib.request.urlopen(f"{base}/links/n0", timeout=10).read())["shape"]["rate"] == 1.25e9
         stop.set()
         t.join(10)
     finally:

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from ..errors import InputError
+from ..errors import InputError, NboxError
 from . import app, console
 
 NAME = typer.Option(None, "--name", "-n", help="Cluster name (default: the only cluster that exists).")
@@ -97,7 +97,7 @@ def down_cmd(name: Optional[str] = typer.Argument(None, help="Cluster name (defa
     from ..cluster.state import list_clusters
 
     for n in (list_clusters() if all_ else [_pick(name)]):
-        r = down(n)
+        r = down(n, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
         console.print(f"cluster {n}: removed {r['namespaces']} namespaces, ended {r['processes']} processes")
 
 
@@ -128,6 +128,9 @@ def status_cmd(name: Optional[str] = NAME, as_json: bool = typer.Option(False, "
     for r in rows:
         t.add_row(*("-" if r[c] is None else str(r[c]) for c in cols))  # a local cluster has no agent
     console.print(t)
+    for r in rows:
+        if r.get("problem"):
+            console.print(f"[red]cluster {r['name']}: {r['problem']}[/red]", highlight=False)
     if nodes:
         for r in rows:
             _print_nodes(r["name"], r["hosts"])
@@ -186,7 +189,10 @@ def shape_cmd(
     body = {k: v for k, v in (("rate", rate), ("delay", delay), ("jitter", jitter), ("loss", loss)) if v is not None}
     if not body:
         raise InputError("shape: give at least one of --rate, --delay, --jitter, --loss")
-    parse_shape_changes(body)  # the same checks as the agent's, with a local one-line error
+    try:
+        parse_shape_changes({**body, "direction": direction})  # the agent's own checks, with a local one-line error
+    except InputError as exc:
+        raise InputError(f"shape {link}: {exc}") from None
     body["direction"] = direction
     st = ClusterState.load(_pick(name))
     url = (st.get("agent") or {}).get("url")
@@ -198,9 +204,14 @@ def shape_cmd(
         with urllib.request.urlopen(req, timeout=10) as resp:
             view = json.load(resp)
     except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
+        try:
+            detail = str(json.loads(exc.read() or b"{}").get("error", exc.reason))
+        except (ValueError, AttributeError):
+            detail = str(exc.reason)
         if exc.code == 404:  # the agent speaks to HTTP clients; here the CLI's listing helps
             detail = detail.replace("(GET /links lists them)", "(nbox status --links lists them)")
+        if exc.code >= 500:  # the kernel refused a valid change: not the user's input (exit 1)
+            raise NboxError(f"shape {link}: {detail}") from None
         raise InputError(f"shape {link}: {detail}") from None
     except urllib.error.URLError as exc:
         raise InputError(f"shape: the shaping agent at {url} does not answer ({exc.reason})") from None

@@ -7,12 +7,21 @@ It owns what changes while a cluster runs:
   "loss": "0.1%", "direction": "both|ab|ba"}`` (strings with units, or numbers in bytes/s,
   seconds and fractions), applied live (``tc change`` through pyroute2, the relay's delay
   table, the loss rules); ``GET /metrics`` (Prometheus), ``GET /health``;
+- supervision: a delay relay or a stub (wire mode's peer, ``stub.py``) that dies is started
+  again within a second; ``GET /health`` answers 503 while a relay is down;
 - the user-space delay path for all node namespaces when the kernel lacks netem: the TCP relays
   (``relay.py``, one process per node CPU: ``relay_pool.py``) and the NFQUEUE delay line for
   ICMP and UDP (``nfqueue.py``), fed the same delay table;
 - per-link counters read from the kernel on each scrape: bytes and packets (the sending end's
   tx counters) and drops (its qdisc's drops, its tx drops and the receiver's rx drops),
   exported as ``nbox_link_*`` metrics in base units.
+
+The API is strict: a POST body is a ``ShapeRequest`` (pydantic, unknown fields refused), every
+number within the bounds of ``neuronabox.units`` (rate 0 or up to 100 Tbit/s, delay and jitter
+0-60 s, loss 0-1), at most ``MAX_BODY`` bytes read within ``READ_TIMEOUT_S``; anything else is
+a 4xx naming the field and the bound. A change goes to the kernel first and is kept (in memory
+and in the state file) only when every part of it took; otherwise what was applied is put back
+and the reply is a 500 that says so.
 """
 
 from __future__ import annotations
@@ -26,26 +35,56 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote
 
-from ..errors import InputError
-from ..units import UnitError, parse_bandwidth, parse_duration, parse_ratio
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+
+from ..errors import InputError, NboxError
+from ..units import UnitError, as_float, check_bandwidth, check_latency, parse_bandwidth, parse_latency, parse_ratio
 from .netns import Namespace
 from .nfqueue import DelayLine
 from .relay import Delays, DelayTable, TimerQueue
 from .relay_pool import RelayPool
-from .shaping import LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, iptables, loss_rules, mechanisms
+from .shaping import (
+    LOSS_CHAIN, LinkShape, apply_loss, apply_rate, delay_rules, delete_root, iptables, loss_rules, mechanisms,
+)
 from .state import ClusterState
 from .steering import steer_flows, steering
 
-__all__ = ["Agent", "NoSuchLink", "parse_shape_changes", "main"]
+__all__ = ["Agent", "NoSuchLink", "ShapeRefused", "ShapeRequest", "parse_shape_changes", "main"]
+
+MAX_BODY = 64 * 1024  # bytes: a shape request is under 200
+READ_TIMEOUT_S = 5.0  # a client that announces more than it sends is dropped after this
+LISTEN_BACKLOG = 128  # http.server's default of 5 reset a burst of 100 connections
 
 
 class JsonRequestHandler(BaseHTTPRequestHandler):
-    """The agents' HTTP handlers: JSON (or text) replies, and no per-request log lines."""
+    """The agents' HTTP handlers: JSON (or text) replies, a read timeout, and no per-request log lines."""
 
     server_version = "nbox-agent"
+    timeout = READ_TIMEOUT_S  # StreamRequestHandler sets it on the socket: headers and body alike
+
+    def read_body(self) -> bytes:
+        """The request's body, at most MAX_BODY bytes; InputError (400) for a bad or missing length."""
+        if self.headers.get("Transfer-Encoding"):
+            raise InputError("Transfer-Encoding: not accepted, send Content-Length")
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return b""
+        raw = raw.strip()
+        # int() would take '+5', ' 5', '٥' and a 4,000-digit number; a length is a few ASCII digits.
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+            raise InputError(f"Content-Length: expected a number of bytes, got {raw[:40]!r}")
+        n = int(raw)
+        if n > MAX_BODY:
+            raise BodyTooLarge(f"Content-Length: {n} bytes, at most {MAX_BODY}")
+        data = self.rfile.read(n)  # TimeoutError after READ_TIMEOUT_S of silence
+        if len(data) != n:
+            raise InputError(f"Content-Length: {n} bytes announced, {len(data)} sent")
+        return data
 
     def log_message(self, fmt, *args):
         """Nothing: the agent's log keeps errors only, not a line per request."""
@@ -58,30 +97,107 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a listen backlog for bursts of clients (a real one: 5 reset 24 of 100)."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
 class NoSuchLink(InputError):
     """A link name the cluster does not have (HTTP 404)."""
 
 
+class BodyTooLarge(InputError):
+    """A request body over MAX_BODY (HTTP 413)."""
+
+
+class ShapeRefused(NboxError):
+    """The kernel refused a change; what was applied of it is undone and the link keeps its shape (HTTP 500)."""
+
+
+def _quoted(text: str) -> str:
+    """A name or path from a request as an error quotes it: repr, at most 60 characters."""
+    shown = repr(text)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as a float, None for anything else (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return as_float(value)
+
+
+def _rate(value: Any) -> float:
+    # 0 (or "none", "unlimited") takes the limit away; a number is bytes/s.
+    num = _number(value)
+    if num is not None:
+        return 0.0 if num == 0 else check_bandwidth(num)
+    if isinstance(value, str) and value.strip() in ("0", "none", "unlimited"):
+        return 0.0
+    return parse_bandwidth(value)
+
+
+def _latency(value: Any) -> float:
+    num = _number(value)  # a number is seconds
+    return check_latency(num) if num is not None else parse_latency(value)
+
+
+def _unit_error(fn):
+    """A parser whose UnitError reaches pydantic as the ValueError it reports per field."""
+    def check(value: Any) -> float:
+        try:
+            return fn(value)
+        except UnitError as exc:
+            raise ValueError(str(exc)) from None
+    return check
+
+
+class ShapeRequest(BaseModel):
+    """The body of ``POST /links/<name>``: each field optional, strings with units or numbers in base units."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    # Typed float with a None default: an explicit null is refused (validated), an absent field is None.
+    rate: Annotated[float, BeforeValidator(_unit_error(_rate))] = None  # type: ignore[assignment]
+    delay: Annotated[float, BeforeValidator(_unit_error(_latency))] = None  # type: ignore[assignment]
+    jitter: Annotated[float, BeforeValidator(_unit_error(_latency))] = None  # type: ignore[assignment]
+    loss: Annotated[float, BeforeValidator(_unit_error(parse_ratio))] = None  # type: ignore[assignment]
+    direction: Literal["both", "ab", "ba"] = "both"
+
+    def changes(self) -> dict[str, float]:
+        """The fields given, in base units (bytes/s, s, fraction)."""
+        return self.model_dump(exclude_unset=True, exclude={"direction"})
+
+
+def _validation_error(exc: ValidationError) -> InputError:
+    """The first problem of a request as one line naming the field."""
+    err = exc.errors(include_url=False)[0]
+    field = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "json_invalid":
+        return InputError(f"body is not JSON: {msg}")
+    if err["type"] == "model_type":
+        return InputError("body must be a JSON object")
+    if err["type"] == "extra_forbidden":
+        return InputError(f"unknown field {field!r} (rate, delay, jitter, loss, direction)")
+    return InputError(f"{field}: {msg}")
+
+
+def parse_shape_request(body: bytes | dict) -> ShapeRequest:
+    """A POST body (raw JSON or already a dict) as a ShapeRequest; InputError naming the field and bound."""
+    try:
+        if isinstance(body, dict):
+            return ShapeRequest.model_validate(body)
+        return ShapeRequest.model_validate_json(body or b"{}")
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
 def parse_shape_changes(body: dict) -> dict[str, float]:
     """Validate a POST body into base units (bytes/s, s, fraction); raises InputError."""
-    out: dict[str, float] = {}
-    parsers = {"rate": parse_bandwidth, "delay": parse_duration, "jitter": parse_duration, "loss": parse_ratio}
-    for key, value in body.items():
-        if key in ("direction", "toxics"):
-            continue
-        if key not in parsers:
-            raise InputError(f"unknown field {key!r} (rate, delay, jitter, loss, direction)")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            num = float(value)
-            if num < 0 or (key == "loss" and num > 1):
-                raise InputError(f"{key}: out of range: {value!r}")
-            out[key] = num
-        else:
-            try:
-                out[key] = 0.0 if key == "rate" and str(value).strip() in ("0", "none", "unlimited") else parsers[key](value)
-            except UnitError as exc:
-                raise InputError(f"{key}: {exc}") from None
-    return out
+    return parse_shape_request(body).changes()
 
 
 class Agent:
@@ -123,7 +239,7 @@ class Agent:
         raw = name[1:] if name.startswith("l") else name
         if raw.isdigit() and int(raw) in self.links:
             return int(raw)
-        raise NoSuchLink(f"no link named {name!r} (GET /links lists them)")
+        raise NoSuchLink(f"no link named {_quoted(name)} (GET /links lists them)")
 
     def _ipr(self, ns: str):
         ipr = self.iprs.get(ns)
@@ -194,6 +310,33 @@ class Agent:
         self.relays.set_delays(ns, table)
         self.loop.call_soon_threadsafe(self.delays.set, ns, table)
 
+    # ---- health ----------------------------------------------------------------------------
+    def parts_down(self) -> list[str]:
+        """What of the agent's delay path is not running now, one phrase each (empty: all is well)."""
+        if self.relays is None:
+            return []
+        return [f"delay relay {i} (pid {self.relays.workers[i].proc.pid}) is not running; the agent restarts it"
+                for i in self.relays.dead()]
+
+    async def supervise(self, every: float = 0.5) -> None:
+        """Restart dead relays and stubs, for as long as the agent runs."""
+        from .stub import revive_stubs
+
+        while True:
+            await asyncio.sleep(every)
+            try:
+                revived = await self.loop.run_in_executor(None, revive_stubs, self.name)
+                if revived:
+                    print(f"nbox agent: restarted the stub(s) of {', '.join(revived)}", file=sys.stderr, flush=True)
+            except Exception as exc:  # noqa: BLE001 - tried again next round; status says so meanwhile
+                print(f"nbox agent: restarting a stub failed: {exc}", file=sys.stderr, flush=True)
+            if self.relays is not None and self.relays.dead():
+                try:
+                    revived = await self.loop.run_in_executor(None, self.relays.revive)
+                    print(f"nbox agent: restarted delay relay(s) {revived}", file=sys.stderr, flush=True)
+                except Exception as exc:  # noqa: BLE001 - tried again next round; /health says so meanwhile
+                    print(f"nbox agent: restarting a delay relay failed: {exc}", file=sys.stderr, flush=True)
+
     # ---- views ---------------------------------------------------------------------------
     def view(self, lid: int, counters: dict | None = None) -> dict:
         """A link as the API shows it."""
@@ -255,35 +398,50 @@ class Agent:
     def _set_link(self, lid: int, changes: dict[str, float], direction: str) -> dict:
         if direction not in ("both", "ab", "ba"):
             raise InputError(f"direction: expected both, ab or ba, got {direction!r}")
-        lk = self.links[lid]
         with self.lock:
             dirs = [0, 1] if direction == "both" else [0 if direction == "ab" else 1]
-            for d in dirs:
-                for k, v in changes.items():
-                    setattr(self.shapes[lid][d], k, v)
+            old = self.shapes[lid]
+            # The kernel first: the new shapes are what _apply reads, and stay only if every part took.
+            self.shapes[lid] = [replace(s, **changes) if d in dirs else replace(s) for d, s in enumerate(old)]
+            try:
+                self._apply(lid, changes, dirs)
+            except Exception as exc:  # noqa: BLE001 - a refusal of the kernel, of iptables or of a relay
+                self.shapes[lid] = old
+                try:
+                    self._apply(lid, changes, dirs)  # the old shapes back, through the same path
+                except Exception as undo:  # noqa: BLE001
+                    print(f"nbox agent: undoing a refused change of link {lid} failed too: {undo}",
+                          file=sys.stderr, flush=True)
+                raise ShapeRefused(f"link {self.links[lid]['name']}: the kernel refused the change "
+                                   f"({type(exc).__name__}: {str(exc)[:200]}); the link keeps its shape") from None
             ab, ba = self.shapes[lid]
-            if "rate" in changes or (self.netem and changes):
-                for d in dirs:
-                    end = lk["a"] if d == 0 else lk["b"]
-                    self._set_rate(end, self.shapes[lid][d])
-                self._steer({lk["a"]["ns"], lk["b"]["ns"]})
-            if "loss" in changes and not self.netem:
-                from types import SimpleNamespace as NS
-
-                link = NS(id=lid, a=NS(**lk["a"]), b=NS(**lk["b"]))
-                rules = loss_rules(link, ab.loss, ba.loss)
-                touched = sorted({lk["a"]["ns"], lk["b"]["ns"]})
-                with ClusterState(self.name).locked() as st:
-                    st.record("iptables", [{"ns": ns, "chains": LOSS_CHAIN} for ns in touched]
-                              + [{"ns": ns, "rule": r} for ns in touched for r in rules.get(ns, [])])
-                for ns in touched:
-                    apply_loss(Namespace(ns), rules.get(ns, []), {lid})
-            if ("delay" in changes or "jitter" in changes) and not self.netem:
-                self._sync_relay()
             with ClusterState(self.name).locked() as st:
                 st.data.setdefault("shapes", {})[str(lid)] = [ab.as_dict(), ba.as_dict()]
                 st.save()
         return self.view(lid)
+
+    def _apply(self, lid: int, changes: dict[str, float], dirs: list[int]) -> None:
+        """Make the kernel, loss rules and relays' delay table match ``self.shapes[lid]`` in the changed fields."""
+        lk = self.links[lid]
+        ab, ba = self.shapes[lid]
+        if "rate" in changes or (self.netem and changes):
+            for d in dirs:
+                end = lk["a"] if d == 0 else lk["b"]
+                self._set_rate(end, self.shapes[lid][d])
+            self._steer({lk["a"]["ns"], lk["b"]["ns"]})
+        if "loss" in changes and not self.netem:
+            from types import SimpleNamespace as NS
+
+            link = NS(id=lid, a=NS(**lk["a"]), b=NS(**lk["b"]))
+            rules = loss_rules(link, ab.loss, ba.loss)
+            touched = sorted({lk["a"]["ns"], lk["b"]["ns"]})
+            with ClusterState(self.name).locked() as st:
+                st.record("iptables", [{"ns": ns, "chains": LOSS_CHAIN} for ns in touched]
+                          + [{"ns": ns, "rule": r} for ns in touched for r in rules.get(ns, [])])
+            for ns in touched:
+                apply_loss(Namespace(ns), rules.get(ns, []), {lid})
+        if ("delay" in changes or "jitter" in changes) and not self.netem:
+            self._sync_relay()
 
     def _steer(self, namespaces: set[str]) -> None:
         """Steer (or stop steering) the namespaces' interfaces for their links' rates now (steering.py)."""
@@ -295,11 +453,9 @@ class Agent:
         ipr = self._ipr(end["ns"])
         try:
             apply_rate(ipr, end["index"], shape, self.rate_kind, change=True, netem=self.netem)
-        except Exception:  # noqa: BLE001 - no qdisc to change yet (an unshaped link): add one
-            try:
-                ipr.tc("del", index=end["index"])
-            except Exception:  # noqa: BLE001
-                pass
+        # No qdisc to change yet (an unshaped link), or tbf to become htb above 34 Gbit/s: replace it.
+        except Exception:  # noqa: BLE001
+            delete_root(ipr, end["index"])
             with ClusterState(self.name).locked() as st:
                 st.record("qdiscs", {"ns": end["ns"], "ifname": end["ifname"], "kind": self.rate_kind})
             apply_rate(ipr, end["index"], shape, self.rate_kind, change=False, netem=self.netem)
@@ -374,9 +530,13 @@ class Agent:
                         self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
                     elif path == "/health":
                         r, q = agent.relays, agent.delayline
-                        self._send(200, {"cluster": agent.name, "pid": os.getpid(), "relay_namespaces": sorted(agent.relay_ns),
-                                         "relay": None if r is None else r.stats(),
-                                         "nfqueue": None if q is None else {"queues": len(q.queues), "held": q.held, "released": q.released}})
+                        down = agent.parts_down()
+                        # 503 while a part is down: a probe that reads only the status sees it too.
+                        self._send(503 if down else 200, {
+                            "cluster": agent.name, "pid": os.getpid(), "healthy": not down, "down": down,
+                            "relay_namespaces": sorted(agent.relay_ns), "relay": None if r is None else r.stats(),
+                            "nfqueue": None if q is None else {"queues": len(q.queues), "held": q.held,
+                                                               "released": q.released}})
                     elif path == "/links":
                         c = agent.counters()
                         self._send(200, [agent.view(lid, c) for lid in sorted(agent.links)])
@@ -384,7 +544,7 @@ class Agent:
                         lid = agent.link_id(path[len("/links/"):])
                         self._send(200, agent.view(lid, agent.counters()))
                     else:
-                        self._send(404, {"error": f"no such resource {path}"})
+                        self._send(404, {"error": f"no such resource {_quoted(path)}"})
                 except InputError as exc:
                     self._send(404, {"error": str(exc)})
 
@@ -392,24 +552,25 @@ class Agent:
                 path = unquote(self.path.split("?")[0]).rstrip("/")
                 try:
                     if not path.startswith("/links/"):
-                        self._send(404, {"error": f"no such resource {path}"})
+                        self._send(404, {"error": f"no such resource {_quoted(path)}"})
                         return
                     lid = agent.link_id(path[len("/links/"):])
-                    n = int(self.headers.get("Content-Length") or 0)
-                    try:
-                        body = json.loads(self.rfile.read(n) or b"{}")
-                    except json.JSONDecodeError as exc:
-                        raise InputError(f"body is not JSON: {exc}") from None
-                    if not isinstance(body, dict):
-                        raise InputError("body must be a JSON object")
-                    changes = parse_shape_changes(body)
-                    self._send(200, agent.set_link(lid, changes, body.get("direction", "both")))
+                    req = parse_shape_request(self.read_body())
+                    self._send(200, agent.set_link(lid, req.changes(), req.direction))
+                except TimeoutError:
+                    self.close_connection = True
+                    self._send(408, {"error": f"the body did not arrive within {READ_TIMEOUT_S:g} s"})
                 except NoSuchLink as exc:
                     self._send(404, {"error": str(exc)})
+                except BodyTooLarge as exc:
+                    self.close_connection = True  # the body is left unread
+                    self._send(413, {"error": str(exc)})
                 except InputError as exc:
+                    self.close_connection = True  # a body may be left unread
                     self._send(400, {"error": str(exc)})
-                except Exception as exc:  # noqa: BLE001 - the kernel refused: report, keep serving
-                    self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
+                except Exception as exc:  # noqa: BLE001 - the kernel refused (ShapeRefused) or worse: report, serve on
+                    said = str(exc) if isinstance(exc, ShapeRefused) else f"{type(exc).__name__}: {exc}"
+                    self._send(500, {"error": said})
 
         return Handler
 
@@ -431,7 +592,7 @@ class Agent:
                 except OSError as exc:
                     # The queue rule has --queue-bypass: this node's ICMP/UDP then passes undelayed.
                     print(f"nbox agent: no NFQUEUE delay line in {h['ns']}: {exc}", file=sys.stderr, flush=True)
-        httpd = ThreadingHTTPServer(("127.0.0.1", port), self.handler())
+        httpd = _Server(("127.0.0.1", port), self.handler())
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True, name="nbox-agent-http").start()
         info = {"pid": os.getpid(), "port": httpd.server_address[1], "url": f"http://127.0.0.1:{httpd.server_address[1]}",
@@ -443,7 +604,9 @@ class Agent:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, stop.set)
+        supervisor = asyncio.create_task(self.supervise())
         await stop.wait()
+        supervisor.cancel()
         # No httpd.shutdown(): it waits out serve_forever's 0.5 s poll; the thread is a daemon.
         httpd.server_close()
         if self.delayline is not None:

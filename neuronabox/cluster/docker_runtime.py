@@ -444,19 +444,17 @@ class DockerAgent:
         return ns
 
     def _apply(self, node: str, change: bool) -> None:
-        from .shaping import apply_rate
+        from .shaping import apply_rate, delete_root
 
         ipr = self._ns(node).iproute()
         try:
             idx = ipr.link_lookup(ifname="eth0")[0]
             if not change:
-                with contextlib.suppress(Exception):
-                    ipr.tc("del", index=idx)
+                delete_root(ipr, idx)
             try:
                 apply_rate(ipr, idx, self.shapes[node], "tbf", change=change, netem=self.netem)
-            except Exception:  # noqa: BLE001 - nothing to change yet: install afresh
-                with contextlib.suppress(Exception):
-                    ipr.tc("del", index=idx)
+            except Exception:  # noqa: BLE001 - nothing to change yet, or tbf to become htb: install afresh
+                delete_root(ipr, idx)
                 apply_rate(ipr, idx, self.shapes[node], "tbf", change=False, netem=self.netem)
         finally:
             ipr.close()
@@ -486,13 +484,25 @@ class DockerAgent:
 
     def set_node(self, node: str, changes: dict[str, float]) -> dict:
         """Change a node's egress shape live."""
+        from dataclasses import replace
+
+        from .agent import ShapeRefused
+
         if node not in self.nodes:
             raise InputError(f"no node named {node!r} (GET /links lists them)")
         with self.lock:
-            for k, v in changes.items():
-                setattr(self.shapes[node], k, v)
+            old = self.shapes[node]
+            # The kernel first; the new shape stays only if it took (as the netns agent does).
+            self.shapes[node] = replace(old, **changes)
             if node in self.pids:
-                self.nl.submit(self._apply, node, True).result()
+                try:
+                    self.nl.submit(self._apply, node, True).result()
+                except Exception as exc:  # noqa: BLE001
+                    self.shapes[node] = old
+                    with contextlib.suppress(Exception):
+                        self.nl.submit(self._apply, node, True).result()
+                    raise ShapeRefused(f"node {node}: the kernel refused the change ({type(exc).__name__}: "
+                                       f"{str(exc)[:200]}); the link keeps its shape") from None
         return self.view(node)
 
     def counters(self) -> dict[str, dict[str, int]]:
@@ -572,12 +582,11 @@ class DockerAgent:
 
     def serve(self, port: int, host: str = "0.0.0.0", stop: threading.Event | None = None) -> None:
         """Shape, then serve the API until ``stop`` is set (or forever)."""
-        from http.server import ThreadingHTTPServer
-
-        from .agent import JsonRequestHandler
         from urllib.parse import unquote
 
-        from .agent import parse_shape_changes
+        from .agent import (
+            READ_TIMEOUT_S, BodyTooLarge, JsonRequestHandler, ShapeRefused, _quoted, _Server, parse_shape_request,
+        )
 
         with contextlib.suppress(Exception):
             from .shaping import has_netem
@@ -601,26 +610,33 @@ class DockerAgent:
                 elif path.startswith("/links/") and path[len("/links/"):] in agent.nodes:
                     self._send(200, agent.view(path[len("/links/"):], agent.counters()))
                 else:
-                    self._send(404, {"error": f"no such resource {path}"})
+                    self._send(404, {"error": f"no such resource {_quoted(path)}"})
 
             def do_POST(self):
                 path = unquote(self.path.split("?")[0]).rstrip("/")
                 node = path[len("/links/"):] if path.startswith("/links/") else None
                 if node not in agent.nodes:
-                    self._send(404, {"error": f"no such resource {path}"})
+                    self.close_connection = True  # the body is left unread
+                    self._send(404, {"error": f"no such resource {_quoted(path)}"})
                     return
+                # The netns agent's strict reading (agent.py): 400/408/413 naming the problem.
                 try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                    if not isinstance(body, dict):
-                        raise InputError("body must be a JSON object")
-                    self._send(200, agent.set_node(node, parse_shape_changes(body)))
-                except (InputError, json.JSONDecodeError) as exc:
+                    req = parse_shape_request(self.read_body())
+                    self._send(200, agent.set_node(node, req.changes()))
+                except TimeoutError:
+                    self.close_connection = True
+                    self._send(408, {"error": f"the body did not arrive within {READ_TIMEOUT_S:g} s"})
+                except BodyTooLarge as exc:
+                    self.close_connection = True
+                    self._send(413, {"error": str(exc)})
+                except InputError as exc:
+                    self.close_connection = True
                     self._send(400, {"error": str(exc)})
-                except Exception as exc:  # noqa: BLE001 - the kernel refused: report, keep serving
-                    self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
+                except Exception as exc:  # noqa: BLE001 - the kernel refused (ShapeRefused) or worse: report, serve on
+                    said = str(exc) if isinstance(exc, ShapeRefused) else f"{type(exc).__name__}: {exc}"
+                    self._send(500, {"error": said})
 
-        httpd = ThreadingHTTPServer((host, port), Handler)
-        httpd.daemon_threads = True
+        httpd = _Server((host, port), Handler)
         self.port = httpd.server_address[1]
         self.ready.set()
         threading.Thread(target=httpd.serve_forever, daemon=True, name="nbox-docker-agent-http").start()

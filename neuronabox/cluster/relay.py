@@ -14,6 +14,12 @@ runs one relay per CPU that homes nodes (``relay_pool.py``) and splits each conn
 direction (``Peers``): the relay of the node that opened it copies what that node sends, the
 destination node's relay copies the way back, so the two directions move on two cores at once.
 
+Turned on itself. A connection whose original destination is the relay port (a client dialling
+``10.77.0.2:15001`` directly) is closed at once: relayed on, it would reach a relay again and
+again (10,000 connections and 20,000 descriptors in 3 s, then "Too many open files"). A node
+has at most ``MAX_CONNECTIONS_PER_NODE`` connections open through the relay; more are closed
+as they arrive, so no node can exhaust the descriptors the others need.
+
 Timing: asyncio's epoll wait rounds timeouts up to whole milliseconds, which would add up to
 1 ms to a 1 ms delay. Release times are therefore kept in one heap and a ``timerfd``
 (nanosecond resolution, CLOCK_MONOTONIC like ``loop.time()``) wakes the loop exactly when the
@@ -43,6 +49,7 @@ SO_MARK = 36
 HIGH_WATER = 8 << 20  # bytes held in one direction's delay line before reading pauses
 LOW_WATER = 2 << 20
 READ_SIZE = 256 << 10
+MAX_CONNECTIONS_PER_NODE = 1024  # each costs the relays four descriptors (two sockets, each held by two relays)
 
 
 @dataclass(frozen=True)
@@ -352,8 +359,10 @@ class _Side(asyncio.Protocol):
 class _Conn:
     """A relayed connection: client side, server side and its delay lines (``up``, ``down`` or both)."""
 
-    def __init__(self, relay: "Relay", key: str, dst: str, up: bool = True, down: bool = True):
+    def __init__(self, relay: "Relay", key: str, dst: str, up: bool = True, down: bool = True, counted: bool = False):
         self.relay = relay
+        self.key = key
+        self.counted = counted  # in relay.open[key] until its client side is lost
 
         def fwd() -> tuple[float, float]:
             d = relay.lookup(key, dst)
@@ -378,6 +387,9 @@ class _Conn:
         """One socket is gone: drain what it sent, send nothing more to it."""
         # What the lost side sent is still owed to the other side: its delay line drains and
         # then ends with EOF. Nothing more can reach the lost side.
+        if side is self.client and self.counted:
+            self.counted = False
+            self.relay.open[self.key] -= 1
         if side.inbound is not None:
             side.inbound.feed(None)
         if side.outbound is not None:
@@ -423,6 +435,8 @@ class Relay:
         self.connections = 0
         self.bytes = 0
         self.errors = 0
+        self.refused = 0  # connections closed at once: turned on the relay itself, or over a node's cap
+        self.open: dict[str, int] = {}  # per namespace key: connections accepted and not yet lost
 
     def set_delays(self, key: str, table: dict[str, Delays]) -> None:
         """Replace the per-destination delays of the namespace ``key`` (open connections follow at once)."""
@@ -464,12 +478,19 @@ class Relay:
             # Not a redirected connection (someone dialled the relay port directly).
             transport.abort()
             return
+        if dst[1] == self.port or self.open.get(key, 0) >= MAX_CONNECTIONS_PER_NODE:
+            # To a relay port: relayed on, it would come back to a relay, for ever. Over the
+            # cap: the node has its share of descriptors.
+            self.refused += 1
+            transport.abort()
+            return
+        self.open[key] = self.open.get(key, 0) + 1
         # The relay releases bytes when their delay is up; Nagle on its client side would hold
         # small releases back for the client's delayed ACK (tens to hundreds of ms).
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # The way back is copied by the relay on the destination node's CPU, where there is one.
         home = self.peers.home(dst[0]) if self.peers is not None else None
-        conn = _Conn(self, key, dst[0], down=home is None)
+        conn = _Conn(self, key, dst[0], down=home is None, counted=True)
         # Hand the accepted transport over to the connection's client side. Until the upstream
         # connection is made the client's bytes wait in the up line; its reads start now.
         transport.set_protocol(conn.client)

@@ -14,6 +14,11 @@ The agent talks to each relay over a SOCK_SEQPACKET pair: JSON messages ``delays
 namespace's table), ``ping`` (answered once everything before it is applied) and ``stats``.
 A relay exits when the agent's end closes, and dies with it (PR_SET_PDEATHSIG); its command
 line carries the agent's token, so ``nbox down`` finds it even after a crash.
+
+Supervised: ``RelayPool.revive`` (called by the agent every half second) starts a relay that
+died again, on the same inbox (the agent keeps its end, so the other relays' outboxes stay
+valid) with a new control pair, and sends it every namespace's delay table. The connections
+the dead one carried are lost; new ones are relayed as soon as it listens again.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import asyncio
 import ctypes
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -86,33 +92,71 @@ class RelayPool:
         # +13 and +18 % against +0.8 % unpinned) and left model mode's error where it was. So the
         # relays float unless NBOX_RELAY_PIN=1; the work stays split by direction either way.
         self.pin = os.environ.get("NBOX_RELAY_PIN", "0") == "1"
+        self.tables: dict[str, dict] = {}  # the last delays message per namespace, for a restarted relay
+        self.restarts = 0
+        self.starting: set[int] = set()  # restarted, not yet listening
+        self.lock = threading.Lock()
+
+    def _spawn(self, w: _Worker) -> None:
+        outboxes = {o.index: o.outbox.fileno() for o in self.workers if o is not w}
+        cfg = {"index": w.index, "cpu": w.cpu if self.pin else None, "namespaces": w.namespaces, "port": self.port,
+               "homes": self.homes, "control": w.remote_control.fileno(), "inbox": w.inbox.fileno(),
+               "outboxes": outboxes}
+        fds = [w.remote_control.fileno(), w.inbox.fileno(), *outboxes.values()]
+        cmd = [sys.executable, "-m", "neuronabox.cluster.relay_pool", "--config", json.dumps(cfg),
+               "--parent", str(os.getpid()), "--token", self.token]
+        w.proc = subprocess.Popen(cmd, pass_fds=fds)
+        w.remote_control.close()  # the agent keeps its inbox end: a restarted relay gets the same one
+
+    def _ready(self, w: _Worker, timeout: float) -> None:
+        try:
+            w.ask({"op": "ping"}, timeout)
+        except (OSError, ValueError) as exc:
+            code = w.proc.poll()
+            raise RuntimeError(f"delay relay {w.index} (cpu {w.cpu}) did not start"
+                               + (f": exited with {code}" if code is not None else f": {exc}")) from None
 
     def start(self, timeout: float = 10.0) -> None:
         """Start every relay and wait until each listens in all its namespaces."""
         for w in self.workers:
-            outboxes = {o.index: o.outbox.fileno() for o in self.workers if o is not w}
-            cfg = {"index": w.index, "cpu": w.cpu if self.pin else None, "namespaces": w.namespaces, "port": self.port, "homes": self.homes,
-                   "control": w.remote_control.fileno(), "inbox": w.inbox.fileno(), "outboxes": outboxes}
-            fds = [w.remote_control.fileno(), w.inbox.fileno(), *outboxes.values()]
-            cmd = [sys.executable, "-m", "neuronabox.cluster.relay_pool", "--config", json.dumps(cfg),
-                   "--parent", str(os.getpid()), "--token", self.token]
-            w.proc = subprocess.Popen(cmd, pass_fds=fds)
+            self._spawn(w)
         for w in self.workers:
-            w.remote_control.close()
-            w.inbox.close()
-        for w in self.workers:
-            try:
-                w.ask({"op": "ping"}, timeout)
-            except (OSError, ValueError) as exc:
-                code = w.proc.poll()
-                raise RuntimeError(f"delay relay {w.index} (cpu {w.cpu}) did not start"
-                                   + (f": exited with {code}" if code is not None else f": {exc}")) from None
+            self._ready(w, timeout)
+
+    def dead(self) -> list[int]:
+        """Indices of the relays that do not serve: the process ended, or it was restarted and listens not yet."""
+        return [w.index for w in self.workers
+                if w.index in self.starting or (w.proc is not None and w.proc.poll() is not None)]
+
+    def revive(self, timeout: float = 10.0) -> list[int]:
+        """Start again every relay that died, with the current delays; returns their indices."""
+        revived = []
+        with self.lock:
+            for i in [w.index for w in self.workers if w.proc is not None and w.proc.poll() is not None]:
+                w = self.workers[i]
+                self.starting.add(i)
+                with w.lock:  # not while an HTTP thread asks it for stats
+                    w.control.close()
+                    w.control, w.remote_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                _drop_handovers(w.inbox)
+                self._spawn(w)
+                self._ready(w, timeout)
+                for msg in self.tables.values():
+                    w.tell(msg)
+                self.starting.discard(i)
+                self.restarts += 1
+                revived.append(i)
+        return revived
 
     def set_delays(self, key: str, table: dict[str, Delays]) -> None:
         """Replace the delays of namespace ``key`` in every relay (each needs all: it runs ways back)."""
         msg = {"op": "delays", "key": key, "table": {a: astuple(d) for a, d in table.items()}}
+        self.tables[key] = msg
         for w in self.workers:
-            w.tell(msg)
+            try:
+                w.tell(msg)
+            except OSError:  # a dead relay: revive() gives it the table when it starts it again
+                pass
 
     def stats(self) -> dict:
         """Connections, bytes and errors summed over the relays, and each relay's own."""
@@ -123,8 +167,8 @@ class RelayPool:
                 each.append({**mine, **w.ask({"op": "stats"}, 2.0)})
             except (OSError, ValueError):
                 each.append({**mine, "alive": False, "connections": 0, "bytes": 0, "errors": 0})
-        total = {k: sum(e[k] for e in each) for k in ("connections", "bytes", "errors")}
-        return {**total, "relays": each}
+        total = {k: sum(e.get(k, 0) for e in each) for k in ("connections", "bytes", "errors", "refused")}
+        return {**total, "restarts": self.restarts, "relays": each}
 
     def close(self) -> None:
         """End every relay and wait for it."""
@@ -132,12 +176,28 @@ class RelayPool:
             w.control.close()  # the relay sees its control end close and exits
         for w in self.workers:
             w.outbox.close()
+            w.inbox.close()
             if w.proc is not None:
                 try:
                     w.proc.wait(5)
                 except subprocess.TimeoutExpired:
                     w.proc.kill()
                     w.proc.wait()
+
+
+def _drop_handovers(inbox: socket.socket) -> None:
+    """Close the connections handed to a relay that died before it read them: their other half is gone."""
+    inbox.setblocking(False)
+    try:
+        while True:
+            try:
+                _, fds, _, _ = socket.recv_fds(inbox, 4096, 2)
+            except (BlockingIOError, OSError):
+                return
+            for fd in fds:
+                os.close(fd)
+    finally:
+        inbox.setblocking(True)
 
 
 # ---- the relay process ----------------------------------------------------------------------
@@ -185,6 +245,7 @@ async def _serve(cfg: dict) -> None:
                 control.send(b'{"ok": true}')
             elif msg["op"] == "stats":
                 control.send(json.dumps({"connections": relay.connections, "bytes": relay.bytes,
+                                         "refused": relay.refused,
                                          "errors": relay.errors + relay.timers.errors}).encode())
 
     loop.add_reader(inbox.fileno(), on_inbox)
@@ -206,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if args.parent and os.getppid() != args.parent:
         return 1
+    # Each connection holds descriptors: the soft limit (often 1,024) would cap a relay that
+    # serves many nodes long before MAX_CONNECTIONS_PER_NODE does.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cfg = json.loads(args.config)
     if cfg["cpu"] is not None:
         os.sched_setaffinity(0, {cfg["cpu"]})

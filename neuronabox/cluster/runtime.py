@@ -170,6 +170,11 @@ def up(
     with st.locked():
         if st.path.exists():
             broken = _broken(st) if st.get("phase") == "up" else ""
+            deadline = time.monotonic() + 3.0
+            while "the agent restarts it" in broken and time.monotonic() < deadline:
+                # A relay or stub the agent is starting again: back in a second, no rebuild owed.
+                time.sleep(0.1)
+                broken = _broken(st)
             if st.get("phase") == "up" and not broken:
                 if st.get("topology_name") != topo.name or st.get("runtime") != runtime:
                     raise InputError(
@@ -371,12 +376,61 @@ def _broken(st: ClusterState) -> str:
     gone = [n["name"] for n in st["namespaces"] if not Namespace(n["name"]).exists()]
     if gone:
         return f"namespace {gone[0]} is gone" + (f", and {len(gone) - 1} more" if len(gone) > 1 else "")
-    dead = [p for p in st["processes"] if p.get("role") == "agent" and not _alive(p)]
-    return f"its shaping agent (pid {dead[0].get('pid')}) is not running" if dead else ""
+    agents = [p for p in st["processes"] if p.get("role") == "agent"]
+    dead = [p for p in agents if not _alive(p)]
+    if dead:
+        return f"its shaping agent (pid {dead[0].get('pid')}) is not running"
+    says = _agent_says(st)
+    if "does not answer" in says:
+        # Killed a moment ago, it may not have finished dying: say what it will be.
+        time.sleep(0.2)
+        dead = [p for p in agents if not _alive(p)]
+        if dead:
+            return f"its shaping agent (pid {dead[0].get('pid')}) is not running"
+    # A node's stub: the latest one started for it (a dead one's record stays when another replaces it).
+    stubs = {p.get("node"): p for p in st["processes"] if p.get("role") == "stub"}
+    dead = [p for p in stubs.values() if not _alive(p)]
+    if dead:
+        return f"the stub of {dead[0].get('node')} (pid {dead[0].get('pid')}) is not running; the agent restarts it"
+    return says
+
+
+def _agent_says(st: ClusterState, timeout: float = 1.0) -> str:
+    """What the agent's /health reports down (a delay relay it is restarting), or '' when all is well."""
+    import urllib.error
+    import urllib.request
+
+    url = (st.get("agent") or {}).get("url")
+    if not url:
+        return ""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as exc:  # 503: a part is down
+        try:
+            body = json.loads(exc.read())
+        except ValueError:
+            return f"its shaping agent answers /health with {exc.code}"
+    except (OSError, ValueError) as exc:
+        return f"its shaping agent at {url} does not answer ({exc})"
+    down = body.get("down") or []
+    return down[0] if down else ""
 
 
 def _healthy(st: ClusterState) -> bool:
     return not _broken(st)
+
+
+def _health(st: ClusterState) -> dict:
+    """``healthy``, and when it is not, ``problem``: what is down and the command that fixes it."""
+    if st.get("phase") != "up":
+        return {"healthy": False, "problem": f"phase {st.get('phase')!r}: `nbox down {st.name}` removes what was made"}
+    broken = _broken(st)
+    if not broken:
+        return {"healthy": True, "problem": None}
+    if "the agent restarts it" in broken:  # a delay relay: back within a second, nothing to do
+        return {"healthy": False, "problem": broken}
+    return {"healthy": False, "problem": f"{broken}; `nbox up {st.get('topology')} --name {st.name}` rebuilds it"}
 
 
 def _keep_agent_log(st: ClusterState) -> Path | None:
@@ -405,8 +459,29 @@ def _result(st: ClusterState, seconds: float = 0.0, already_up: bool = False, no
 
 
 # ---- down -----------------------------------------------------------------------------------------
-def down(name: str, timeout: float = 3.0, keep_lock: bool = False) -> dict:
-    """Remove everything cluster ``name`` made, from its state file (works after a crash)."""
+def down(name: str, timeout: float = 3.0, keep_lock: bool = False, progress=None) -> dict:
+    """Remove everything cluster ``name`` made, from its state file (works after a crash).
+
+    ``keep_lock``: the caller (``up``) holds the cluster's lock. Otherwise ``down`` takes it, so
+    that it waits for an ``up`` of the same name to finish (or to die: the lock goes with its
+    process) instead of pulling namespaces from under it; ``progress`` hears that it waits.
+    """
+    if keep_lock:
+        return _down(name, timeout, keep_lock=True)
+    st = ClusterState.load(valid_name(name))  # InputError for a cluster that does not exist, before a lock is made
+    try:
+        with ClusterState(name).locked(blocking=False):
+            return _down(name, timeout, keep_lock=False)
+    except BlockingIOError:
+        pass
+    if progress is not None:
+        progress(f"cluster {name!r} is busy (`nbox up` pid {st.get('pid')}, or a change through its agent): "
+                 "waiting for it to finish")
+    with ClusterState(name).locked():
+        return _down(name, timeout, keep_lock=False)
+
+
+def _down(name: str, timeout: float, keep_lock: bool) -> dict:
     import psutil
 
     st = ClusterState.load(valid_name(name))
@@ -468,7 +543,7 @@ def status(name: str | None = None) -> list[dict]:
             "links": len(plan.get("links", [])),
             "namespaces": f"{present}/{len(st['namespaces'])}",
             "agent": (st.get("agent") or {}).get("url") if any(_alive(p) for p in agents) else None,
-            "healthy": st.get("phase") == "up" and _healthy(st),
+            **_health(st),
         })
     return out
 

@@ -34,6 +34,7 @@ __all__ = [
     "kernel_qdiscs",
     "has_netem",
     "apply_rate",
+    "delete_root",
     "apply_loss",
     "mechanisms",
     "delay_rules",
@@ -44,7 +45,8 @@ MTU_FRAME = 1514
 GSO_MAX_SIZE = 65536  # the kernel's default gso_max_size: what an unshaped veth keeps
 # The qdiscs `nbox doctor` asks the kernel about.
 QDISCS = ("netem", "tbf", "htb", "pfifo", "fq", "fq_codel", "sfq", "prio", "cake", "ingress", "clsact")
-TBF_MAX_RATE = (1 << 32) - 1  # bytes/s: tbf's rate field (pyroute2 sends no TCA_TBF_RATE64)
+U32_MAX = (1 << 32) - 1
+TBF_MAX_RATE = U32_MAX  # bytes/s: tbf's rate field (pyroute2 sends no TCA_TBF_RATE64)
 LOSS_CHAIN = "NBOX_LOSS"
 DELAY_USERSPACE = "relay (TCP) + nfqueue (ICMP/UDP)"
 
@@ -99,8 +101,9 @@ def rate_params(rate: float) -> RateParams:
     busy without a bloated queue.
     """
     r = int(rate)
-    burst = max(2 * MTU_FRAME, int(r * 0.001))
-    limit = burst + max(10 * MTU_FRAME, int(r * 0.020))
+    # Both are 32-bit fields of the kernel: above 34 Tbit/s (units.MAX_BANDWIDTH is 100) they stop at 4 GiB.
+    burst = min(U32_MAX, max(2 * MTU_FRAME, int(r * 0.001)))
+    limit = min(U32_MAX, burst + max(10 * MTU_FRAME, int(r * 0.020)))
     return RateParams(r, burst, limit, min(GSO_MAX_SIZE, int(burst * 0.9)))
 
 
@@ -157,7 +160,7 @@ def apply_rate(ipr, index: int, shape: LinkShape, kind: str = "tbf", change: boo
     with_netem = netem and (shape.delay > 0 or shape.jitter > 0 or shape.loss > 0)
     if shape.rate <= 0 and not with_netem:
         if change:
-            _delete_root(ipr, index)
+            delete_root(ipr, index)
             set_gso_max_size(ipr, index, GSO_MAX_SIZE)
         return "none"
     parent = 0xFFFFFFFF
@@ -190,9 +193,12 @@ def set_gso_max_size(ipr, index: int, size: int) -> None:
         pass
 
 
-def _delete_root(ipr, index: int) -> None:
+def delete_root(ipr, index: int) -> None:
+    """Remove a link end's root qdisc (and everything under it); nothing to remove is fine."""
     try:
-        ipr.tc("del", index=index)
+        # root=True: without a parent pyroute2 0.9 asks for handle 0 and the kernel answers
+        # ENOENT, which was taken for "no qdisc" while tbf stayed (a rate of 0 kept limiting).
+        ipr.tc("del", index=index, root=True)
     except Exception:  # noqa: BLE001 - no root qdisc to delete is the goal already reached
         pass
 

@@ -3,11 +3,11 @@
 Layout: ``$NBOX_STATE_DIR/<name>/state.json`` (default ``/run/neuronabox`` for root); beside it
 ``<name>.agent.log``, the agent's log of the last cluster of that name that ``up`` found broken
 and removed (why its agent died outlives the cluster). Every write is
-the whole document to a temporary file, fsync'd, renamed over the old one and the directory
-fsync'd, so a reader (``nbox down`` after a crash or a ``kill -9`` of ``up``) sees either the
-old or the new document, never half of one. Objects are recorded *before* they are created:
-an entry whose object never came to exist is harmless to ``down`` (it skips what is missing),
-whereas an object without an entry would be leaked.
+the whole document (strict JSON: never NaN or Infinity) to a temporary file, fsync'd, renamed
+over the old one and the directory fsync'd, so a reader (``nbox down`` after a crash or a
+``kill -9`` of ``up``) sees either the old or the new document, never half of one. Objects are
+recorded *before* they are created: an entry whose object never came to exist is harmless to
+``down`` (it skips what is missing), whereas an object without an entry would be leaked.
 
 Names. A cluster name is ``[A-Za-z0-9_]{1,24}``; namespaces are ``nbx-<name>-h<i>`` (node i)
 and ``nbx-<name>-s<j>`` (switch j). Since a cluster name has no ``-``, two clusters' namespace
@@ -109,7 +109,9 @@ class ClusterState:
         """Write the document atomically and durably (tmp file, fsync, rename, fsync dir)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f".state.{os.getpid()}.tmp"
-        body = json.dumps(self.data, separators=(",", ":"), sort_keys=True).encode()
+        # allow_nan=False: NaN and Infinity are not JSON; a state holding one is refused here
+        # (ValueError), before it is written, rather than left for every later reader to fail on.
+        body = json.dumps(self.data, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, body)
@@ -124,12 +126,29 @@ class ClusterState:
             os.close(dfd)
 
     @contextlib.contextmanager
-    def locked(self) -> Iterator["ClusterState"]:
-        """Hold the cluster's lock (up, down and the agent all write the same file); reloads on entry."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    def locked(self, blocking: bool = True) -> Iterator["ClusterState"]:
+        """Hold the cluster's lock (up, down and the agent all write the same file); reloads on entry.
+
+        ``blocking=False``: raise BlockingIOError at once when another process holds it.
+        """
+        while True:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                raise
+            # A `down` that held the lock meanwhile removed the file: this lock then guards
+            # nothing (a newcomer locks a new file), so take the one that is there now.
+            try:
+                current = os.stat(self.dir / "lock").st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             if self.path.exists():
                 fresh = json.loads(self.path.read_text())
                 for k in KINDS:

@@ -152,6 +152,28 @@ def ensure_stub(cluster: str, node: str) -> dict:
         return start_stubs(st, [node])[node]
 
 
+def revive_stubs(cluster: str) -> list[str]:
+    """Start again the stubs of ``cluster`` that died (the agent's supervisor); the nodes restarted.
+
+    Nothing while ``up`` or ``down`` holds the cluster's lock: ``up`` is still starting them, and
+    ``down`` is ending them on purpose.
+    """
+    from .runtime import _alive
+
+    st = ClusterState(cluster)
+    try:
+        with st.locked(blocking=False):
+            if not st.path.exists() or st.get("phase") != "up":
+                return []
+            latest = {p.get("node"): p for p in st["processes"] if p.get("role") == "stub"}
+            dead = sorted(n for n, p in latest.items() if not _alive(p))
+            if dead:
+                start_stubs(st, dead)
+            return dead
+    except BlockingIOError:
+        return []
+
+
 # ---- the stub process ----------------------------------------------------------------------
 class _Session:
     """One real rank's state at this stub: arena, data connections, the frames it still has to send."""

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +22,15 @@ from typing import Any, Sequence
 import yaml
 
 from ..errors import InputError
+from ..runfiles import owned_tempdir
 from ..topology import Topology
 from .emulator import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY
+from .guard import die_with_parent
 from .launch import child_pythonpath, prepare_env
 
-__all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR"]
+__all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR", "ENV_PARENT"]
+
+ENV_PARENT = "NBOX_PARENT_PID"  # nbox run's pid, for the elastic workers it does not fork itself
 
 AUTOSTART_DIR = Path(__file__).resolve().parent / "autostart"
 
@@ -103,15 +106,22 @@ def run_command(
     _require_command(command)
     if not 0 <= real_rank < topology.world_size:
         raise InputError(f"--rank: rank {real_rank} is not in 0-{topology.world_size - 1}")
-    with tempfile.TemporaryDirectory(prefix="nbox-run-") as tmp:
+    with owned_tempdir("nbox-run-") as tmp:  # removed by the next run if this one is killed
         topo_file = _write_topology(tmp, topology)
         record_file = Path(tmp) / "record.json"
         env = child_env(topo_file, topology, real_rank, record_file, model)
         env.update(extra_env or {})
         # Cluster hook (nbox run --cluster N [--mode wire]): the real rank runs inside its node's
         # namespace; wire mode also needs the stub peers up (neuronabox/cluster/stub.py).
-        preexec = _cluster_hook(env, topology, real_rank, cluster, mode) if cluster else None
+        enter = _cluster_hook(env, topology, real_rank, cluster, mode) if cluster else None
         grace = _stop_grace()
+        parent = os.getpid()
+
+        def preexec() -> None:
+            die_with_parent(parent)  # no orphan, even under kill -9 of nbox run (guard.py)
+            if enter is not None:
+                enter()
+
         try:
             child = subprocess.Popen(list(command), env=env, preexec_fn=preexec)
         except FileNotFoundError:
@@ -153,7 +163,8 @@ def run_real_ranks(
     if cluster:
         node_addr, enter = _cluster_node(env, topology, plan.real_ranks, cluster)
         plan = plan_launch(topology, options, node_addr)
-    with tempfile.TemporaryDirectory(prefix="nbox-run-") as tmp:
+    with owned_tempdir("nbox-run-") as tmp:
+        env[ENV_PARENT] = str(os.getpid())  # the workers' die_with_parent, in autostart
         _add_backend(env, _write_topology(tmp, topology), model)
         with enter:
             res = run_elastic(plan, command, env, Path(tmp))

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..runfiles import owned_tempdir
 from ..units import format_duration
 
 __all__ = ["ENV_PROGRESS", "ProgressWriter", "RunProgress", "SweepProgress", "read_progress"]
@@ -135,8 +136,6 @@ class RunProgress:
 
     def __init__(self, console=None, *, total: int | None = None, interval: float = 0.25, set_env: bool | None = None,
                  enabled: bool | None = None):
-        import tempfile
-
         from rich.console import Console
 
         self.console = console or Console(stderr=True)
@@ -146,8 +145,9 @@ class RunProgress:
         self.enabled = self.console.is_terminal if enabled is None else enabled
         # Without a line to show, the real rank need not write its progress file either.
         self.set_env = self.enabled if set_env is None else set_env
-        self._dir = tempfile.TemporaryDirectory(prefix="nbox-progress-")
-        self.path = str(Path(self._dir.name) / "progress.json")
+        # Owned (runfiles.py): the folder of a kill -9'd run is removed when the next one starts.
+        self._owned = owned_tempdir("nbox-progress-")
+        self.path = str(Path(self._owned.__enter__()) / "progress.json")
         self.env = {ENV_PROGRESS: self.path}
         self._saved: str | None = None
         self._stop = threading.Event()
@@ -200,7 +200,7 @@ class RunProgress:
                 os.environ.pop(ENV_PROGRESS, None)
             else:
                 os.environ[ENV_PROGRESS] = self._saved
-        self._dir.cleanup()
+        self._owned.__exit__(None, None, None)
 
 
 class SweepProgress:

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import json
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,9 @@ import yaml
 from pydantic import ValidationError
 
 from ..errors import TopologyError
-from .schema import FabricKind, LinkSpec, NodeOverride, TopologyFile
+from .schema import MAX_NODES, MAX_WORLD, NAME_PATTERN, FabricKind, LinkSpec, NodeOverride, TopologyFile
 
-__all__ = ["Node", "Topology", "load_topology", "parse_topology", "topology_from_dict"]
+__all__ = ["Node", "Topology", "load_topology", "load_yaml", "parse_topology", "topology_from_dict"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     seen: dict[Any, Any] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:  # `? [a, b]`, `? {a: b}`: PyYAML's own check comes after ours
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain value, not a {type(key).__name__}", mark) from None
         if key in seen:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(
@@ -115,9 +122,71 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
+# A topology is a few levels deep; PyYAML composes (and constructs) recursively, so a document of
+# thousands of nested brackets would end in a RecursionError with thousands of lines of traceback.
+MAX_YAML_DEPTH = 32
+# Aliases share, they do not copy: ten of ten of ... ("billion laughs") is a small file whose
+# tree, walked by validation or printed in an error, has 10^9 leaves.
+MAX_YAML_ALIASES = 100
+
+
+def _compose_node(loader: _UniqueKeyLoader, parent: Any, index: Any) -> Any:
+    depth = getattr(loader, "_nbox_depth", 0)
+    if depth >= MAX_YAML_DEPTH:
+        raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                          loader.peek_event().start_mark)
+    if loader.check_event(yaml.AliasEvent):
+        loader._nbox_aliases = getattr(loader, "_nbox_aliases", 0) + 1
+        if loader._nbox_aliases > MAX_YAML_ALIASES:
+            raise yaml.composer.ComposerError(None, None, f"more than {MAX_YAML_ALIASES} aliases (*name)",
+                                              loader.peek_event().start_mark)
+    loader._nbox_depth = depth + 1
+    try:
+        return yaml.composer.Composer.compose_node(loader, parent, index)
+    finally:
+        loader._nbox_depth = depth
+
+
+_UniqueKeyLoader.compose_node = _compose_node
+
+
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def _bracket_depth(text: str) -> tuple[int, int]:
+    """How deep flow brackets (``[``, ``{``) nest in ``text``, and the offset where they pass MAX_YAML_DEPTH (or -1)."""
+    depth = 0
+    for m in _BRACKETS.finditer(text):
+        depth = depth + 1 if m.group() in "[{" else max(0, depth - 1)
+        if depth > MAX_YAML_DEPTH:
+            return depth, m.start()
+    return depth, -1
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as data with duplicate keys and deep nesting refused; raises yaml.YAMLError or ValueError."""
+    # PyYAML's scanner looks ahead to the end of every open flow collection (each bracket may
+    # start a key), so n nested brackets cost O(n^2) before the composer sees the first level:
+    # 2,000 took 4 s. Counted first, here; a bracket inside quotes counts too, which errs on the
+    # side of refusing a string of 33 unclosed brackets.
+    _, at = _bracket_depth(text)
+    if at >= 0:
+        line = text.count("\n", 0, at)
+        mark = yaml.Mark("<text>", at, line, at - (text.rfind("\n", 0, at) + 1), None, None)
+        raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", mark)
+    # ValueError: an integer of more than 4,300 digits (Python's limit on int() of a string).
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+_REPR.maxlist = _REPR.maxdict = 8
+_REPR.maxlevel = 3
+
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    # reprlib: a value may be a large tree or a long string; its repr is cut while it is made.
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -133,7 +202,11 @@ def _path(loc: tuple[Any, ...]) -> str:
         if isinstance(part, int) and not is_key:
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + str(part)
+            text = str(part)
+            # An unknown key is the user's text: a newline in it would break the one-line error.
+            if not text.isprintable() or len(text) > 40:
+                text = _short(text)
+            out += ("." if out else "") + text
     return out
 
 
@@ -144,6 +217,9 @@ def _pydantic_error(source: str, exc: ValidationError) -> TopologyError:
     value = err.get("input")
     if kind == "missing":
         message = "required field is missing"
+    elif kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == NAME_PATTERN:
+        message = (f"a name is 1-63 letters, digits, '_', '.' or '-', starting with a letter or digit "
+                   f"(got {_short(value)})")
     elif kind == "extra_forbidden":
         message = f"unknown field (value {_short(value)})"
     elif kind == "value_error":
@@ -158,7 +234,10 @@ def _pydantic_error(source: str, exc: ValidationError) -> TopologyError:
 def parse_topology(text: str, source: str = "<string>") -> Topology:
     """Parse YAML text into a resolved ``Topology``."""
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = load_yaml(text)
+    except ValueError:
+        # int() of a string of more than 4,300 digits: the only ValueError a safe load raises.
+        raise TopologyError(source, "", "YAML value out of range: an integer of more than 4300 digits") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
@@ -188,8 +267,8 @@ def load_topology(path: str | Path, profile_may_be_missing: bool = False) -> Top
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError(str(p), "", f"cannot read: {exc}") from None
     if profile_may_be_missing:
-        with contextlib.suppress(yaml.YAMLError):  # parse_topology names the problem
-            raw = yaml.safe_load(text)
+        with contextlib.suppress(yaml.YAMLError, ValueError):  # parse_topology names the problem
+            raw = load_yaml(text)
             named = named_profile(p, raw)
             if named is not None and not named.exists():
                 raw["emulation"] = {k: v for k, v in raw["emulation"].items() if k != "profile"}
@@ -205,8 +284,8 @@ def named_profile(path: str | Path, raw: Any = None) -> Path | None:
     path = Path(path)
     if raw is None:
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            raw = load_yaml(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError):
             return None  # loading the topology names the problem
     emu = raw.get("emulation") if isinstance(raw, dict) else None
     named = emu.get("profile") if isinstance(emu, dict) else None
@@ -269,6 +348,11 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
     if wi.world_size is not None:
         entries = _resize(entries, cl.ranks_per_node, wi.world_size, source)
 
+    # The world is counted before a structure of its size is made.
+    world = sum(e.get("ranks", cl.ranks_per_node) for e in entries)
+    if world > MAX_WORLD:
+        where = "whatif.world_size" if wi.world_size is not None else "cluster"
+        raise TopologyError(source, where, f"{world} ranks: at most {MAX_WORLD} ranks")
     default_nics = net.nics_per_node or (cl.ranks_per_node if net.type == "rail-optimized" else 1)
     nodes: list[Node] = []
     rank_node: list[int] = []
@@ -357,6 +441,9 @@ def _resize(entries: list[dict[str, Any]], rpn: int, world_size: int, source: st
     if world_size % per:
         raise TopologyError(source, "whatif.world_size", f"{world_size} is not a multiple of {per} ranks per node")
     count = world_size // per
+    if count > MAX_NODES:
+        raise TopologyError(source, "whatif.world_size",
+                            f"{world_size} ranks at {per} a node make {count} nodes: at most {MAX_NODES}")
     out = entries[:count]
     taken = {e["name"] for e in out}
     i = len(out)

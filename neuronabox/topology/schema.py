@@ -1,6 +1,12 @@
 """The topology YAML file as pydantic models, and its JSON Schema.
 
-Every quantity with a unit is a string (``100Gbps``, ``5us``); see ``neuronabox.units``.
+Every quantity with a unit is a string (``100Gbps``, ``5us``); see ``neuronabox.units``, which
+also holds the bounds of every number with a unit. The bounds of the structure are here: at most
+``MAX_WORLD`` ranks (10 M), ``MAX_RANKS_PER_NODE`` ranks or NICs on a node (1,024), ``MAX_NODES``
+nodes (100,000), a fat-tree radix of at most 128, slow-down factors within (0, 1000]. A node or
+switch name is ``NAME_PATTERN``: 1-63 letters, digits, ``_``, ``.`` or ``-``, starting with a
+letter or digit, because names become namespaces' hosts, log file names and command-line
+arguments of the stub (``-rf`` or ``$(touch x)`` must never reach those).
 Cross-field checks (a real rank beyond the world, a link to an unknown node) live in
 ``topology.resolve`` so that their errors can name the exact YAML path.
 """
@@ -18,7 +24,7 @@ from ..units import (
     DURATION_EXAMPLES,
     RATIO_EXAMPLES,
     parse_bandwidth,
-    parse_duration,
+    parse_latency,
     parse_ratio,
 )
 
@@ -30,14 +36,25 @@ def _unit_schema(kind: str, examples: str) -> WithJsonSchema:
 
 
 Bandwidth = Annotated[float, BeforeValidator(parse_bandwidth), _unit_schema("bandwidth", BANDWIDTH_EXAMPLES)]
-Duration = Annotated[float, BeforeValidator(parse_duration), _unit_schema("duration", DURATION_EXAMPLES)]
+# Every duration of a topology is a latency (a link's, a switch's, a fabric's, an injected one):
+# 0-60 s (units.MAX_LATENCY).
+Duration = Annotated[float, BeforeValidator(parse_latency), _unit_schema("duration", DURATION_EXAMPLES)]
 Ratio = Annotated[
     float,
     BeforeValidator(parse_ratio),
     WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}], "description": f"a fraction, e.g. {RATIO_EXAMPLES}"}),
 ]
+MAX_WORLD = 10_000_000
+MAX_RANKS_PER_NODE = 1024
+MAX_NODES = 100_000
+MAX_FACTOR = 1000.0
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
 PositiveInt = Annotated[int, Field(ge=1, strict=True)]
-Factor = Annotated[float, Field(gt=0)]
+PerNode = Annotated[int, Field(ge=1, le=MAX_RANKS_PER_NODE, strict=True)]
+Factor = Annotated[float, Field(gt=0, le=MAX_FACTOR, allow_inf_nan=False)]
+Name = Annotated[str, Field(pattern=NAME_PATTERN,
+                            description="1-63 letters, digits, '_', '.' or '-', starting with a letter or digit")]
 
 
 class _Strict(BaseModel):
@@ -98,8 +115,10 @@ class ExplicitLink(LinkOverride):
 class FatTree(_Strict):
     """A k-ary fat-tree (k pods of k/2 edge and k/2 aggregation switches, (k/2)^2 cores)."""
 
-    k: int | None = Field(None, ge=2, description="switch radix, even; default: the smallest that holds the nodes")
-    oversubscription: float = Field(1.0, ge=1.0, description="edge down:up bandwidth ratio")
+    k: int | None = Field(None, ge=2, le=128,
+                          description="switch radix, even; default: the smallest that holds the nodes")
+    oversubscription: float = Field(1.0, ge=1.0, le=MAX_FACTOR, allow_inf_nan=False,
+                                    description="edge down:up bandwidth ratio")
 
     @field_validator("k")
     @classmethod
@@ -112,7 +131,7 @@ class FatTree(_Strict):
 class Rail(_Strict):
     """Rail-optimized: NIC i of every node on leaf i; leaves joined by spines."""
 
-    spines: int | None = Field(None, ge=1, description="default: one per rail")
+    spines: int | None = Field(None, ge=1, le=MAX_NODES, description="default: one per rail")
     spine_link: LinkOverride | None = None
 
 
@@ -123,7 +142,8 @@ class Network(_Strict):
     """The inter-node network."""
 
     type: NetworkType = "switch"
-    nics_per_node: int | None = Field(None, ge=1, description="default 1 (rail-optimized: ranks per node)")
+    nics_per_node: int | None = Field(None, ge=1, le=MAX_RANKS_PER_NODE,
+                                      description="default 1 (rail-optimized: ranks per node)")
     link: LinkSpec = Field(description="every link's parameters unless a link says otherwise")
     switch_latency: Duration = Field(0.0, description="forwarding latency per switch crossed")
     mtu: int = Field(1500, ge=576, le=9216, description="IP MTU; with library gloo (TCP) it sets the payload share of a link")
@@ -132,24 +152,24 @@ class Network(_Strict):
     )
     fat_tree: FatTree | None = None
     rail: Rail | None = None
-    switches: list[str] = Field(default_factory=list, description="type links: switch names")
+    switches: list[Name] = Field(default_factory=list, description="type links: switch names")
     links: list[ExplicitLink] = Field(default_factory=list, description="type links: the links")
 
 
 class NodeOverride(_Strict):
     """What one node changes from the cluster's defaults (heterogeneous clusters)."""
 
-    ranks: PositiveInt | None = None
+    ranks: PerNode | None = None
     device: str | None = None
     compute_slowdown: Factor | None = Field(None, description="emulated compute on this node takes this many times longer")
-    nics: PositiveInt | None = None
+    nics: PerNode | None = None
     intra_node: IntraNode | None = None
 
 
 class NodeSpec(NodeOverride):
     """One node of an explicit node list."""
 
-    name: str | None = None
+    name: Name | None = None
 
 
 def _nodes_from_count(value: Any) -> Any:
@@ -158,8 +178,12 @@ def _nodes_from_count(value: Any) -> Any:
     if isinstance(value, int):
         if value < 1:
             raise ValueError(f"a cluster needs at least one node, got {value}")
+        if value > MAX_NODES:  # checked before a list of that many entries is made
+            raise ValueError(f"at most {MAX_NODES} nodes, got {value}")
         return [{} for _ in range(value)]
     if isinstance(value, list):
+        if len(value) > MAX_NODES:
+            raise ValueError(f"at most {MAX_NODES} nodes, got a list of {len(value)}")
         return value
     raise ValueError(f"expected a node count or a list of nodes, got {value!r}")
 
@@ -173,7 +197,7 @@ class Cluster(_Strict):
     """The machines: how many nodes, how many ranks on each, and what they are."""
 
     nodes: Nodes
-    ranks_per_node: PositiveInt = Field(1, description="GPUs (or CPU ranks) per node")
+    ranks_per_node: PerNode = Field(1, description="GPUs (or CPU ranks) per node")
     device: str = Field("cpu", description="device type, e.g. H100, A100, cpu")
     overrides: dict[str, NodeOverride] = Field(
         default_factory=dict, description="per-node changes, keyed by node index, index range (4-7) or name"
@@ -194,7 +218,7 @@ Library = Literal["nccl", "gloo"]
 class Emulation(_Strict):
     """Which ranks are real and how the rest are modeled."""
 
-    real_ranks: list[Annotated[int, Field(ge=0, strict=True)]] = Field(default_factory=lambda: [0])
+    real_ranks: list[Annotated[int, Field(ge=0, lt=MAX_WORLD, strict=True)]] = Field(default_factory=lambda: [0])
     library: Library = "nccl"
     algorithm: str = Field("auto", description="auto, or an algorithm of the model (ring, tree, rhd, direct, hier-ring, …)")
     protocol: Literal["auto", "LL", "LL128", "Simple"] = "auto"
@@ -238,10 +262,11 @@ class WhatIf(_Strict):
     inject: dict[Op, Duration] = Field(default_factory=dict, description="extra latency per collective type")
     latency_scale: Factor = 1.0
     bandwidth_scale: Factor = 1.0
-    stragglers: dict[Annotated[int, Field(ge=0)], Factor] = Field(
+    stragglers: dict[Annotated[int, Field(ge=0, lt=MAX_WORLD)], Factor] = Field(
         default_factory=dict, description="rank -> compute slow-down factor"
     )
-    world_size: PositiveInt | None = Field(None, description="grow or shrink the cluster to this many ranks")
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD, strict=True)] | None = Field(
+        None, description="grow or shrink the cluster to this many ranks")
 
     @field_validator("inject", mode="before")
     @classmethod
