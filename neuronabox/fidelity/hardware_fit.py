@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..errors import InputError
+from ..errors import InputError, NboxError
 from ..model import nccl
 from ..model.base import Group
 from ..model.hardware import HardwareProfile, Section
@@ -134,7 +134,11 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
                 progress: Callable[[str], None] | None = None) -> Section:
     """The section that best times ``measured`` (all of one scope: inside a node, or across nodes)."""
     import numpy as np
-    from scipy.optimize import least_squares
+
+    try:
+        from scipy.optimize import least_squares
+    except ImportError:
+        raise NboxError("fitting a hardware profile needs scipy: pip install 'neuronabox[fit]'") from None
 
     if not measured:
         raise InputError("no measurements to fit")
