@@ -143,7 +143,8 @@ def bench(
     header = [
         f"nbox bench: topology {topo.name} ({topo.source}), {group.size} of {topo.world_size} ranks "
         f"on {len({topo.rank_node[r] for r in group.ranks})} nodes",
-        f"model {m.name}, algorithm {m.algorithm}" + (f", protocol {m.protocol}" if m.protocol not in ("", "auto") else ""),
+        f"model {m.name}, algorithm {m.algorithm}" + (f", protocol {m.protocol}" if m.protocol not in ("", "auto") else "")
+        + (f", hardware profile {hw}" if (hw := getattr(getattr(m, "inner", m), "hardware_source", "")) else ""),
         f"minBytes {sizes[0]} maxBytes {sizes[-1]} step: {stepbytes or f'{stepfactor:g}(factor)'}",
     ]
     for i, o in enumerate(ops):
