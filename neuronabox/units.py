@@ -20,6 +20,7 @@ import re
 
 __all__ = [
     "UnitError",
+    "quoted",
     "MIN_BANDWIDTH",
     "MAX_BANDWIDTH",
     "MAX_LATENCY",
@@ -45,7 +46,7 @@ class UnitError(ValueError):
     """A string that is not a valid quantity of the expected kind."""
 
 
-def _repr(value: object) -> str:
+def quoted(value: object) -> str:
     """A value as an error message quotes it: at most 60 characters, so the message stays one line."""
     if isinstance(value, int) and value.bit_length() > 200:  # repr of a 5,000-digit int raises ValueError
         return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
@@ -70,7 +71,7 @@ def check_bandwidth(value: float, text: object = None) -> float:
     """``value`` (bytes/s) if finite and within [1 kbit/s, 100 Tbit/s]; else UnitError naming ``text``."""
     shown = value if text is None else text
     if not math.isfinite(value) or value < MIN_BANDWIDTH or value > MAX_BANDWIDTH:
-        raise UnitError(f"invalid bandwidth {_repr(shown)}: must lie between 1Kbps and 100Tbps")
+        raise UnitError(f"invalid bandwidth {quoted(shown)}: must lie between 1Kbps and 100Tbps")
     return float(value)
 
 
@@ -78,7 +79,7 @@ def check_latency(value: float, text: object = None) -> float:
     """``value`` (seconds) if finite and within [0, 60 s]; else UnitError naming ``text``."""
     shown = value if text is None else text
     if not math.isfinite(value) or value < 0 or value > MAX_LATENCY:
-        raise UnitError(f"invalid latency {_repr(shown)}: must lie between 0s and {MAX_LATENCY:g}s")
+        raise UnitError(f"invalid latency {quoted(shown)}: must lie between 0s and {MAX_LATENCY:g}s")
     return float(value)
 
 
@@ -120,10 +121,10 @@ _PATTERN = re.compile(r"^\s*" + _NUMBER + r"\s*(?P<unit>[^\s0-9.][^\s]*)?\s*$")
 
 def _split(text: object, kind: str, examples: str) -> tuple[float, str]:
     if isinstance(text, bool) or not isinstance(text, str):
-        raise UnitError(f"expected a {kind} with a unit as a string (e.g. {examples}), got {_repr(text)}")
+        raise UnitError(f"expected a {kind} with a unit as a string (e.g. {examples}), got {quoted(text)}")
     m = _PATTERN.match(text)
     if not m or m.group("unit") is None:
-        raise UnitError(f"invalid {kind} {_repr(text)} (expected a number and a unit, e.g. {examples})")
+        raise UnitError(f"invalid {kind} {quoted(text)} (expected a number and a unit, e.g. {examples})")
     return float(m.group("num")), m.group("unit")
 
 
@@ -131,7 +132,7 @@ def parse_bandwidth(text: object) -> float:
     """Parse ``100Gbps``/``25GB/s`` into bytes per second (must be > 0)."""
     num, unit = _split(text, "bandwidth", BANDWIDTH_EXAMPLES)
     if unit not in _BANDWIDTH:
-        raise UnitError(f"invalid bandwidth {_repr(text)}: unknown unit {_repr(unit)} (e.g. {BANDWIDTH_EXAMPLES})")
+        raise UnitError(f"invalid bandwidth {quoted(text)}: unknown unit {quoted(unit)} (e.g. {BANDWIDTH_EXAMPLES})")
     return check_bandwidth(num * _BANDWIDTH[unit], text)
 
 
@@ -139,10 +140,10 @@ def parse_duration(text: object) -> float:
     """Parse ``5us``/``2ms`` into seconds (finite, >= 0)."""
     num, unit = _split(text, "duration", DURATION_EXAMPLES)
     if unit not in _DURATION:
-        raise UnitError(f"invalid duration {_repr(text)}: unknown unit {_repr(unit)} (e.g. {DURATION_EXAMPLES})")
+        raise UnitError(f"invalid duration {quoted(text)}: unknown unit {quoted(unit)} (e.g. {DURATION_EXAMPLES})")
     value = num * _DURATION[unit]
     if not math.isfinite(value):  # 1e999s reads as infinity
-        raise UnitError(f"invalid duration {_repr(text)}: not a finite number")
+        raise UnitError(f"invalid duration {quoted(text)}: not a finite number")
     return value
 
 
@@ -155,12 +156,12 @@ def parse_size(text: object) -> int:
     """Parse ``64MiB``/``1GB``/``8B`` into a whole number of bytes."""
     num, unit = _split(text, "size", SIZE_EXAMPLES)
     if unit not in _SIZE:
-        raise UnitError(f"invalid size {_repr(text)}: unknown unit {_repr(unit)} (e.g. {SIZE_EXAMPLES})")
+        raise UnitError(f"invalid size {quoted(text)}: unknown unit {quoted(unit)} (e.g. {SIZE_EXAMPLES})")
     value = num * _SIZE[unit]
     if not math.isfinite(value):
-        raise UnitError(f"invalid size {_repr(text)}: not a finite number")
+        raise UnitError(f"invalid size {quoted(text)}: not a finite number")
     if value != int(value):
-        raise UnitError(f"invalid size {_repr(text)}: not a whole number of bytes")
+        raise UnitError(f"invalid size {quoted(text)}: not a whole number of bytes")
     return int(value)
 
 
@@ -173,11 +174,11 @@ def parse_ratio(text: object) -> float:
         try:
             value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
         except ValueError:
-            raise UnitError(f"invalid ratio {_repr(text)} (e.g. {RATIO_EXAMPLES})") from None
+            raise UnitError(f"invalid ratio {quoted(text)} (e.g. {RATIO_EXAMPLES})") from None
     else:
-        raise UnitError(f"invalid ratio {_repr(text)} (e.g. {RATIO_EXAMPLES})")
+        raise UnitError(f"invalid ratio {quoted(text)} (e.g. {RATIO_EXAMPLES})")
     if not 0.0 <= value <= 1.0:  # NaN fails this too
-        raise UnitError(f"invalid ratio {_repr(text)}: must lie between 0 and 100%")
+        raise UnitError(f"invalid ratio {quoted(text)}: must lie between 0 and 100%")
     return value
 
 

@@ -37,13 +37,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 from urllib.parse import unquote
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from ..errors import InputError, NboxError
-from ..units import UnitError, as_float, check_bandwidth, check_latency, parse_bandwidth, parse_latency, parse_ratio
+from ..units import UnitError, as_float, quoted, check_bandwidth, check_latency, parse_bandwidth, parse_latency, parse_ratio
 from .netns import Namespace
 from .nfqueue import DelayLine
 from .relay import Delays, DelayTable, TimerQueue
@@ -97,6 +97,32 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def answer_shape(self, target: Callable[[], Any], change: Callable[[Any, "ShapeRequest"], Any]) -> None:
+        """POST /links/<name>: find ``target()``, read and check the body, answer ``change(target, request)``'s view.
+
+        Each failure is the status that names it: 404 (no such link, before the body is read),
+        408 (the body did not arrive), 413 (too large), 400 (anything else malformed), 500 (the
+        kernel refused, and the link kept its shape).
+        """
+        try:
+            found = target()
+            self._send(200, change(found, parse_shape_request(self.read_body())))
+        except TimeoutError:
+            self.close_connection = True
+            self._send(408, {"error": f"the body did not arrive within {READ_TIMEOUT_S:g} s"})
+        except NoSuchLink as exc:
+            self._send(404, {"error": str(exc)})
+        except BodyTooLarge as exc:
+            self.close_connection = True  # the body is left unread
+            self._send(413, {"error": str(exc)})
+        except InputError as exc:
+            self.close_connection = True  # a body may be left unread
+            self._send(400, {"error": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - the kernel refused (ShapeRefused) or worse: report, serve on
+            said = str(exc) if isinstance(exc, ShapeRefused) else f"{type(exc).__name__}: {exc}"
+            self._send(500, {"error": said})
+
+
 class _Server(ThreadingHTTPServer):
     """ThreadingHTTPServer with a listen backlog for bursts of clients (a real one: 5 reset 24 of 100)."""
 
@@ -114,12 +140,6 @@ class BodyTooLarge(InputError):
 
 class ShapeRefused(NboxError):
     """The kernel refused a change; what was applied of it is undone and the link keeps its shape (HTTP 500)."""
-
-
-def _quoted(text: str) -> str:
-    """A name or path from a request as an error quotes it: repr, at most 60 characters."""
-    shown = repr(text)
-    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def _number(value: Any) -> float | None:
@@ -239,7 +259,7 @@ class Agent:
         raw = name[1:] if name.startswith("l") else name
         if raw.isdigit() and int(raw) in self.links:
             return int(raw)
-        raise NoSuchLink(f"no link named {_quoted(name)} (GET /links lists them)")
+        raise NoSuchLink(f"no link named {quoted(name)} (GET /links lists them)")
 
     def _ipr(self, ns: str):
         ipr = self.iprs.get(ns)
@@ -544,33 +564,17 @@ class Agent:
                         lid = agent.link_id(path[len("/links/"):])
                         self._send(200, agent.view(lid, agent.counters()))
                     else:
-                        self._send(404, {"error": f"no such resource {_quoted(path)}"})
+                        self._send(404, {"error": f"no such resource {quoted(path)}"})
                 except InputError as exc:
                     self._send(404, {"error": str(exc)})
 
             def do_POST(self):
                 path = unquote(self.path.split("?")[0]).rstrip("/")
-                try:
-                    if not path.startswith("/links/"):
-                        self._send(404, {"error": f"no such resource {_quoted(path)}"})
-                        return
-                    lid = agent.link_id(path[len("/links/"):])
-                    req = parse_shape_request(self.read_body())
-                    self._send(200, agent.set_link(lid, req.changes(), req.direction))
-                except TimeoutError:
-                    self.close_connection = True
-                    self._send(408, {"error": f"the body did not arrive within {READ_TIMEOUT_S:g} s"})
-                except NoSuchLink as exc:
-                    self._send(404, {"error": str(exc)})
-                except BodyTooLarge as exc:
-                    self.close_connection = True  # the body is left unread
-                    self._send(413, {"error": str(exc)})
-                except InputError as exc:
-                    self.close_connection = True  # a body may be left unread
-                    self._send(400, {"error": str(exc)})
-                except Exception as exc:  # noqa: BLE001 - the kernel refused (ShapeRefused) or worse: report, serve on
-                    said = str(exc) if isinstance(exc, ShapeRefused) else f"{type(exc).__name__}: {exc}"
-                    self._send(500, {"error": said})
+                if not path.startswith("/links/"):
+                    self._send(404, {"error": f"no such resource {quoted(path)}"})
+                    return
+                self.answer_shape(lambda: agent.link_id(path[len("/links/"):]),
+                                  lambda lid, req: agent.set_link(lid, req.changes(), req.direction))
 
         return Handler
 

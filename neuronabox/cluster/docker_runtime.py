@@ -584,9 +584,8 @@ class DockerAgent:
         """Shape, then serve the API until ``stop`` is set (or forever)."""
         from urllib.parse import unquote
 
-        from .agent import (
-            READ_TIMEOUT_S, BodyTooLarge, JsonRequestHandler, ShapeRefused, _quoted, _Server, parse_shape_request,
-        )
+        from ..units import quoted
+        from .agent import JsonRequestHandler, _Server
 
         with contextlib.suppress(Exception):
             from .shaping import has_netem
@@ -610,31 +609,17 @@ class DockerAgent:
                 elif path.startswith("/links/") and path[len("/links/"):] in agent.nodes:
                     self._send(200, agent.view(path[len("/links/"):], agent.counters()))
                 else:
-                    self._send(404, {"error": f"no such resource {_quoted(path)}"})
+                    self._send(404, {"error": f"no such resource {quoted(path)}"})
 
             def do_POST(self):
                 path = unquote(self.path.split("?")[0]).rstrip("/")
                 node = path[len("/links/"):] if path.startswith("/links/") else None
                 if node not in agent.nodes:
                     self.close_connection = True  # the body is left unread
-                    self._send(404, {"error": f"no such resource {_quoted(path)}"})
+                    self._send(404, {"error": f"no such resource {quoted(path)}"})
                     return
                 # The netns agent's strict reading (agent.py): 400/408/413 naming the problem.
-                try:
-                    req = parse_shape_request(self.read_body())
-                    self._send(200, agent.set_node(node, req.changes()))
-                except TimeoutError:
-                    self.close_connection = True
-                    self._send(408, {"error": f"the body did not arrive within {READ_TIMEOUT_S:g} s"})
-                except BodyTooLarge as exc:
-                    self.close_connection = True
-                    self._send(413, {"error": str(exc)})
-                except InputError as exc:
-                    self.close_connection = True
-                    self._send(400, {"error": str(exc)})
-                except Exception as exc:  # noqa: BLE001 - the kernel refused (ShapeRefused) or worse: report, serve on
-                    said = str(exc) if isinstance(exc, ShapeRefused) else f"{type(exc).__name__}: {exc}"
-                    self._send(500, {"error": said})
+                self.answer_shape(lambda: node, lambda n, req: agent.set_node(n, req.changes()))
 
         httpd = _Server((host, port), Handler)
         self.port = httpd.server_address[1]

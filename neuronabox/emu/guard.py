@@ -15,8 +15,9 @@ import ctypes
 import os
 import signal
 
-__all__ = ["die_with_parent"]
+__all__ = ["die_with_parent", "ENV_PARENT"]
 
+ENV_PARENT = "NBOX_PARENT_PID"  # nbox run's pid, for the elastic workers it does not fork itself
 PR_SET_PDEATHSIG = 1
 # Looked up here, in the parent: die_with_parent runs between fork and exec, where loading a
 # library (dlopen takes the loader's lock, which another thread may have held at the fork) could hang.

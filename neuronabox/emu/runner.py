@@ -25,12 +25,10 @@ from ..errors import InputError
 from ..runfiles import owned_tempdir
 from ..topology import Topology
 from .emulator import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY
-from .guard import die_with_parent
+from .guard import ENV_PARENT, die_with_parent
 from .launch import child_pythonpath, prepare_env
 
-__all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR", "ENV_PARENT"]
-
-ENV_PARENT = "NBOX_PARENT_PID"  # nbox run's pid, for the elastic workers it does not fork itself
+__all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent / "autostart"
 

@@ -88,7 +88,7 @@ def prior_section(measured: Sequence[Measured], network: bool) -> Section:
     """NCCL's constants as a section: the fit's starting point and prior."""
     m = measured[0]
     model = _model(m.topology, None)
-    t = model._tables.get(m.group) or model._derive(m.group)
+    t = model.group_tables(m.group)
     c = model.c
     intra_hw = t.intra_hw
     speed = t.line_gbps / max(1, t.n_channels) if math.isfinite(t.line_gbps) else 20.0
@@ -110,23 +110,23 @@ def _model(topology: Topology, section: Section | None) -> nccl.NcclModel:
     inner = getattr(model, "inner", model)
     if not isinstance(inner, nccl.NcclModel):
         raise InputError(f"{topology.source}: fitting a hardware profile needs model nccl, got {inner.name}")
-    for node in topology.nodes:
-        inner._sections[(node.device, node.fabric.value)] = (section, section)
+    inner.use_hardware(section, section)
     return inner
 
 
 def predict(measured: Measured, section: Section | None, sizes: Sequence[int] | None = None) -> list[tuple[float, str]]:
     """The model's time (µs) and algorithm/protocol for the log's sizes (or ``sizes``) with ``section``."""
-    model = _model(measured.topology, section)
-    out = []
-    for size in sizes if sizes is not None else [r.size for r in measured.log.rows]:
-        est = model.estimate(measured.log.op, size, measured.group)
-        out.append((est.duration * 1e6, f"{est.algorithm}/{est.protocol}"))
-    return out
+    return _timed(_model(measured.topology, section), measured, sizes)
+
+
+def _timed(model, measured: Measured, sizes: Sequence[int] | None = None) -> list[tuple[float, str]]:
+    return [(est.duration * 1e6, f"{est.algorithm}/{est.protocol}")
+            for est in (model.estimate(measured.log.op, size, measured.group)
+                        for size in (sizes if sizes is not None else [r.size for r in measured.log.rows]))]
 
 
 def _usable_rows(m: Measured, min_size: int):
-    # nccl-tests' 0-byte and tiny rows time the launch alone; they still count from 1 KiB-ish down to min_size.
+    # Rows of at least min_size bytes (a 0-byte row times nothing but the launch) with a time.
     return [r for r in m.log.rows if r.size >= max(1, min_size) and r.time_us > 0]
 
 
@@ -160,9 +160,7 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
         section = _section_from(np.exp(x), fields, network)
         got = []
         for m, model, rs in zip(measured, models, rows):
-            for node in m.topology.nodes:
-                model._sections[(node.device, node.fabric.value)] = (section, section)
-            model._tables.clear()
+            model.use_hardware(section, section)
             for r in rs:
                 got.append(model.estimate(m.log.op, r.size, m.group).duration * 1e6)
         return np.concatenate([np.log(got) - measured_t, weight * (x - x0)])
@@ -206,11 +204,7 @@ def compare_rows(measured: Measured, section: Section | None = None, use_topolog
     hardware profile, what ``nbox bench`` shows) instead of ``section``.
     """
     if use_topology:
-        model = model or create_model(measured.topology, "nccl")
-        times = []
-        for r in measured.log.rows:
-            est = model.estimate(measured.log.op, r.size, measured.group)
-            times.append((est.duration * 1e6, f"{est.algorithm}/{est.protocol}"))
+        times = _timed(model or create_model(measured.topology, "nccl"), measured)
     else:
         times = predict(measured, section)
     out = []

@@ -88,12 +88,12 @@ def read_log(path: str | Path, op: Op | None = None, ranks: int | None = None,
         text = p.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise InputError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    return parse_log(text, str(p), op, ranks, fallback_op=op_from_filename(p), default_ranks=default_ranks)
+    return parse_log(text, str(p), op, ranks, default_ranks=default_ranks)
 
 
 def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = None,
-              fallback_op: Op | None = None, default_ranks: int | None = None) -> NcclTestsLog:
-    """Parse nccl-tests text (see ``read_log``); ``fallback_op`` serves when neither ``op`` nor the log names one."""
+              default_ranks: int | None = None) -> NcclTestsLog:
+    """Parse nccl-tests text (see ``read_log``); when neither ``op`` nor the log names the op, ``source``'s name does."""
     columns: list[str] | None = None
     rows: list[LogRow] = []
     hosts: dict[str, None] = {}
@@ -132,7 +132,7 @@ def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = 
     named = OP_OF_BINARY.get(binary) if binary else None
     if op is not None and named is not None and named is not op:
         raise InputError(f"{source}: this is a {binary}_perf log, not {op.value}")
-    op = op or named or fallback_op or op_from_filename(source)
+    op = op or named or op_from_filename(source)
     n = ranks or len(rank_ids) or default_ranks or None
     if op is None:
         raise InputError(f"{source}: the log does not say which collective it measured (name the file after it, like all_reduce_perf.txt)")
@@ -141,7 +141,7 @@ def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = 
         if n is None:
             raise InputError(f"{source}: a table of busbw without times needs the rank count (the log names none)")
         factor = busbw_factor(op, n) or 1.0
-        rows = [_from_busbw(r, factor, source) for r in rows]
+        rows = [_from_busbw(r, factor) for r in rows]
     _check_factor(rows, op, n, source)
     if n is None:
         n = _ranks_from_factor(rows, op, source)
@@ -196,7 +196,7 @@ def _row(fields: Sequence[str], columns: Sequence[str], source: str, line_no: in
     return LogRow(size, count, values.get("type", "float"), time_us, algbw, busbw, in_time_us, line_no)
 
 
-def _from_busbw(r: LogRow, factor: float, source: str) -> LogRow:
+def _from_busbw(r: LogRow, factor: float) -> LogRow:
     algbw = r.busbw_GBps / factor
     return LogRow(r.size, r.count, r.type, r.size / algbw / 1e3, algbw, r.busbw_GBps, None, r.line)
 

@@ -24,9 +24,7 @@ from typing import Sequence
 from ..errors import InputError
 from .validate import RECORD_ONLY_DIR
 
-__all__ = ["run_record", "load_against", "MANIFEST"]
-
-MANIFEST = "record.json"
+__all__ = ["run_record", "load_against"]
 
 
 def run_record(command: Sequence[str], out: Path) -> tuple[int, list[Path]]:
@@ -36,7 +34,6 @@ def run_record(command: Sequence[str], out: Path) -> tuple[int, list[Path]]:
     if not command:
         raise InputError("nbox record: no command to run (usage: nbox record -o DIR -- torchrun ... train.py)")
     out.mkdir(parents=True, exist_ok=True)
-    before = {p.name for p in out.glob("rank-*.json")}
     manifest = {"command": list(command), "host": socket.gethostname(), "started": time.time(), "cwd": os.getcwd()}
     # Several machines may record into one shared folder: one manifest per host.
     (out / f"record-{socket.gethostname()}.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
@@ -49,7 +46,8 @@ def run_record(command: Sequence[str], out: Path) -> tuple[int, list[Path]]:
         rc = subprocess.call(list(command), env=env)
     except FileNotFoundError:
         raise InputError(f"command not found: {command[0]!r}") from None
-    written = sorted(p for p in out.glob("rank-*.json") if p.name not in before or p.stat().st_mtime >= manifest["started"])
+    # This run's files: new ones and ones it wrote over (a folder may hold an earlier run's).
+    written = sorted(p for p in out.glob("rank-*.json") if p.stat().st_mtime >= manifest["started"])
     return rc, written
 
 

@@ -13,6 +13,7 @@ In ``nbox run``, ``RunProgress`` polls that file and shows a rich progress line:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import threading
@@ -146,8 +147,8 @@ class RunProgress:
         # Without a line to show, the real rank need not write its progress file either.
         self.set_env = self.enabled if set_env is None else set_env
         # Owned (runfiles.py): the folder of a kill -9'd run is removed when the next one starts.
-        self._owned = owned_tempdir("nbox-progress-")
-        self.path = str(Path(self._owned.__enter__()) / "progress.json")
+        self._folder = contextlib.ExitStack()
+        self.path = str(Path(self._folder.enter_context(owned_tempdir("nbox-progress-"))) / "progress.json")
         self.env = {ENV_PROGRESS: self.path}
         self._saved: str | None = None
         self._stop = threading.Event()
@@ -200,7 +201,7 @@ class RunProgress:
                 os.environ.pop(ENV_PROGRESS, None)
             else:
                 os.environ[ENV_PROGRESS] = self._saved
-        self._owned.__exit__(None, None, None)
+        self._folder.close()
 
 
 class SweepProgress:

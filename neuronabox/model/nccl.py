@@ -284,10 +284,25 @@ class NcclModel(CommModel):
         self._forced_proto = None if self.protocol == "auto" else PROTO_NAMES.index(self.protocol)
         self._tables: dict[Group, _GroupTables] = {}
         self._sections: dict[tuple[str, str], tuple] = {}
+        self._override: tuple | None = None  # use_hardware's sections
         self.hardware_source = ""  # where the hardware sections came from, for reports
+
+    def use_hardware(self, node: hardware.Section | None, network: hardware.Section | None) -> None:
+        """Time every group with these sections from now on, whatever the topology names (what a fit tries)."""
+        self._override = (node, network)
+        self._tables.clear()
+
+    def group_tables(self, group: Group) -> _GroupTables:
+        """What NCCL derives for ``group`` at communicator creation (made once, then cached)."""
+        tables = self._tables.get(group)
+        if tables is None:
+            tables = self._tables[group] = self._derive(group)
+        return tables
 
     def hardware_sections(self, device: str, intra: str) -> tuple[hardware.Section | None, hardware.Section | None]:
         """The (node, network) sections of the hardware profile for nodes of this device and fabric."""
+        if self._override is not None:
+            return self._override
         key = (device, intra)
         if key not in self._sections:
             topo = self.topology
@@ -302,9 +317,7 @@ class NcclModel(CommModel):
     def estimate(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> Estimate:
         """Duration and breakdown of one collective of ``nbytes`` (nccl-tests size) over ``group``."""
         group = Group.of(group)
-        tables = self._tables.get(group)
-        if tables is None:
-            tables = self._tables[group] = self._derive(group)
+        tables = self._tables.get(group) or self.group_tables(group)
         if tables.n_ranks == 1:
             # NCCL returns at once for a single rank (the cost table is Ring/Simple = 0).
             return Estimate(0.0, "ring", "Simple", None)
@@ -374,7 +387,7 @@ class NcclModel(CommModel):
         h = t.hw
         a, p = cand.algo, cand.proto
         n = t.n_ranks
-        nsteps = 2 * (n - 1) if func == _ALL_REDUCE else n - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else n
+        nsteps = _nsteps(func, n)
         hw_ring = t.intra_hw if t.n_nodes == 1 else HW_NET
         lat = h.launch_us + self._latency(func, a, p, n, t.n_nodes, t.ppn, nsteps, t.intra_hw, hw_ring, t.lat_inter_us,
                                           t.hw_c)
@@ -456,7 +469,8 @@ class NcclModel(CommModel):
         if hw is not None:
             # Direct transfers go at Simple's achieved share of the links, after the launch.
             lat_intra_us = hw.launch_us + hw.base_us.Simple + hw.hop_us.Simple
-            lat_inter_us = hw.launch_us + hw.base_us.Simple + hw.net_hop_us.Simple + lat_inter_s * 1e6 if hw.net_hop_us else lat_intra_us
+            if hw.net_hop_us is not None:  # a network section (a node section times one node only)
+                lat_inter_us = hw.launch_us + hw.base_us.Simple + hw.net_hop_us.Simple + lat_inter_s * 1e6
             p2p_intra_bps *= hw.efficiency.Simple
             p2p_nic_bps *= hw.efficiency.Simple
         node_of = {r: topo.rank_node[r] for r in ranks}
@@ -521,10 +535,7 @@ class NcclModel(CommModel):
         per_ch_ring_ll128 = c["per_ch_max_ring_ll128_bws"][cc_idx][index2]
         per_ch_tree_ll128 = c["per_ch_max_tree_ll128_bws"][cc_idx][index2]
         per_ch_nvls_tree = c["per_ch_max_nvls_tree_bws"][cc_idx][index2]
-        if func == _ALL_REDUCE:
-            nsteps = 2 * (n_ranks - 1)
-        else:
-            nsteps = n_ranks - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else n_ranks
+        nsteps = _nsteps(func, n_ranks)
         hw_ring = intra_hw if n_nodes == 1 else HW_NET
         # Hopper+ searches degrade BALANCED_TREE to TREE, which the model penalizes by 15%.
         tree_pattern_penalty = min_cc >= 90
@@ -633,6 +644,13 @@ class NcclModel(CommModel):
 # (src/include/device.h, comm.h), by protocol index.
 _MAX_THREADS = (512, 640, 512)
 _THREAD_THRESHOLD = (8, 8, 64)
+
+
+def _nsteps(func: int, n: int) -> int:
+    """A ring's steps for NCCL function ``func`` on n ranks (as tuning.cc counts them)."""
+    if func == _ALL_REDUCE:
+        return 2 * (n - 1)
+    return n - 1 if func in (_ALL_GATHER, _REDUCE_SCATTER) else n
 
 
 def _with_profile(c: dict, hw: "hardware.Section", intra_hw: int) -> dict:

@@ -30,12 +30,13 @@ if os.environ.get("NBOX_TOPOLOGY"):
         sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load neuronabox ({exc}); "
                          "run the command with the Python that has nbox and torch\n")
     else:
-        if os.environ.get("NBOX_ELASTIC") and os.environ.get("NBOX_PARENT_PID") == str(os.getppid()):
-            # A worker that torch's agent (inside nbox run) started itself, not a process one of
-            # them started in turn: it dies with nbox run (guard.py).
-            from neuronabox.emu.guard import die_with_parent
+        if os.environ.get("NBOX_ELASTIC"):
+            from neuronabox.emu.guard import ENV_PARENT, die_with_parent
 
-            die_with_parent()
+            if os.environ.get(ENV_PARENT) == str(os.getppid()):
+                # A worker that torch's agent (inside nbox run) started itself, not a process one
+                # of them started in turn: it dies with nbox run (guard.py).
+                die_with_parent()
         try:
             # A worker of torch's elastic agent (nbox run --nproc-per-node/--nnodes): torchrun's
             # environment becomes the emulated world's before anything reads it.
