@@ -199,3 +199,15 @@ def test_repeated_estimates_come_from_the_groups_cached_tables(multi, monkeypatc
 
     monkeypatch.setattr(multi, "_derive", derived_again)
     assert all(multi.estimate(Op.ALL_REDUCE, 1 << 20, group).duration == first.duration for _ in range(1000))
+
+
+def test_ll128_off_over_pcie_unless_named_in_nccl_proto():
+    pcie = H100.replace("fabric: nvlink, bandwidth: 450GB/s", "fabric: pcie, bandwidth: 32GB/s")
+    auto = create_model(parse_topology(pcie.format(nodes=1, rpn=4, algo="auto", proto="auto", version="2.28"), "t.yaml"),
+                        "nccl")
+    assert all(auto.estimate(Op.ALL_REDUCE, 1 << k, range(4)).protocol != "LL128" for k in range(3, 31, 3))
+    # NCCL_PROTO=LL128 turns it on even where the default leaves it off (nccl-tests of a PCIe L40S node ran it).
+    named = create_model(parse_topology(pcie.format(nodes=1, rpn=4, algo="auto", proto="LL128", version="2.28"),
+                                        "t.yaml"), "nccl")
+    est = named.estimate(Op.ALL_REDUCE, 1 << 24, range(4))
+    assert (est.algorithm, est.protocol) == ("ring", "LL128")

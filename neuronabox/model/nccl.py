@@ -562,7 +562,9 @@ class NcclModel(CommModel):
                     continue
                 if a == PAT and not pat_enabled:
                     continue
-                if p == LL128 and not ll128_enabled:
+                # NCCL's default leaves LL128 off outside NVLink (untested there, it says); a user who
+                # names it in NCCL_PROTO turns it on anyway (pEnable 1, not the default 2).
+                if p == LL128 and not ll128_enabled and forced_proto != LL128:
                     continue
                 if forced_algo is not None and a != forced_algo:
                     continue
@@ -602,8 +604,8 @@ class NcclModel(CommModel):
                 lat = self._latency(func, a, p, n_ranks, n_nodes, ppn, nsteps, intra_hw, hw_ring, lat_inter_us)
                 out.append(_Candidate(a, p, lat, bus_bw))
         if not out and (forced_algo is not None or forced_proto is not None):
-            # A forced algorithm/protocol that this function lacks (tree for all-gather, LL128 over
-            # PCIe): NCCL keeps ring available as a backup; its protocols compete as usual.
+            # A forced algorithm/protocol that this function lacks (tree for all-gather, LL for NVLS):
+            # NCCL keeps ring available as a backup; its protocols compete as usual.
             return self._tune(func, n_ranks, n_nodes, ppn, cc_idx, min_cc, max_cc, intra_hw, nvlink, ring, nvls,
                               lat_inter_us, RING, None)
         return out
