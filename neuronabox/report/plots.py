@@ -264,7 +264,10 @@ def _breakdown(ax, report: dict[str, Any], index: int | None) -> None:
             a if len(algos) == 1 else f"{a} {c / total:.0%}" for a, c in sorted(algos.items(), key=lambda kv: -kv[1])
         )
         bw = s["bytes"] / s["modeled_s"] if s["modeled_s"] > 0 else 0.0
-        text = (f"{calls_text(s).replace(' per iteration', '/iter')} · {format_size(s['bytes'] / measured)}/iter · "
+        # A one-off op (not in every iteration alike) says its total, not a fraction of a call per iteration.
+        size = (f"{format_size(s['bytes'] / measured)}/iter" if s.get("calls_per_iteration") is not None
+                else f"{format_size(s['bytes'])}")
+        text = (f"{calls_text(s).replace(' per iteration', '/iter')} · {size} · "
                 f"{format_bandwidth(bw, bits=False)} algbw · {algo_text}")
         ax.text(per_it[y] + right * 0.01, y, text, va="center", fontsize=8,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5})
