@@ -350,7 +350,10 @@ def write_plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Pat
         ax2.set_title("exposed vs inside collectives", fontsize=10)
         # The context (topology, model, command) runs longer than the figure is wide: wrapped, not clipped.
         fig.suptitle(f"what-if: {knob.name}" + (f"\n{textwrap.fill(context, 130)}" if context else ""), fontsize=10)
-        fig.tight_layout()
+        fig.text(0.01, 0.01, "in collectives: every collective's modeled time added up; they overlap compute and each "
+                 "other, so it can exceed the iteration. Only the exposed part lengthens the iteration.",
+                 fontsize=8, color="#444444")
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
         path = out / f"whatif_{knob.name.replace('.', '_')}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
