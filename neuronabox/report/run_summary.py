@@ -2,16 +2,11 @@
 
 Input is the record the real rank writes (``neuronabox.emu.launch``): per-op enqueue, start and
 end times (seconds since the recorder started), how long the caller blocked in ``wait()``, and
-the iteration durations. Exposed communication is the time the real rank waited: ``wait()``
-calls are measured; waits inside C++ (DDP's reducer waiting on bucket futures at the end of
-backward) are not visible to Python, so for ops nobody waited on in Python the exposed part is
-taken as the stretch from the iteration's last collective call to the last modeled completion
-before the iteration ended — the tail that the next compute had to wait for.
-
-That rule is written once (``exposed_split``) and every number that says "exposed" reads it:
-the summary table, the per-op rows (each op is charged its own waits, and the tail goes to the
-op that completed last, so the rows add up to the total), the PNG (``plots.py``) and the report
-JSON (``exposed_per_iteration``, ``exposed_ratio``, ``per_op[*].exposed_s``).
+the iteration durations. Exposed communication follows the one rule of ``neuronabox.exposed``
+(measured waits, plus the tail after the last call that DDP's reducer waits for in C++); each
+op is charged its own waits and the tail goes to the op that completed last, so the per-op
+rows add up to the total. The table, the per-op rows, the PNG (``plots.py``) and the report
+JSON (``exposed_per_iteration``, ``exposed_ratio``, ``per_op[*].exposed_s``) all read it.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ..exposed import split
 from ..stats import percentile
 from ..units import format_duration, format_size
 
@@ -45,19 +41,8 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def exposed_split(ops: list[dict], start: float, end: float) -> list[float]:
-    """Seconds of exposed communication charged to each of ``ops`` (one iteration's, from ``start`` to ``end``).
-
-    Each op is charged the time the real rank waited on it; the tail (from the last collective
-    call to the last modeled completion of the ops nobody waited on in Python) goes to the op
-    that completed last: the next compute waited for it. The sum is the iteration's exposed time.
-    """
-    charged = [float(o["wait"] or 0.0) for o in ops]
-    unwaited = [k for k, o in enumerate(ops) if not o["wait"] and o.get("end") is not None]
-    if unwaited:
-        last = max(unwaited, key=lambda k: ops[k]["end"])
-        last_call = max(o["enqueue"] for o in ops)
-        charged[last] += max(0.0, min(ops[last]["end"], end) - max(last_call, start))
-    return charged
+    """Seconds of exposed communication charged to each of ``ops`` (one iteration's records, ``start`` to ``end``)."""
+    return split([(o["enqueue"], o.get("end"), o["wait"]) for o in ops], start, end)
 
 
 def _exposed(ops: list[dict], start: float, end: float) -> float:
