@@ -274,9 +274,9 @@ def _patch_spawn_join() -> None:
     The worker left its one line for ``nbox run`` (spawn.py); torch's spawn would wrap its exit
     in a traceback that buries that line.
     """
-    from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException
-
     import logging
+
+    from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException
 
     original_join = ProcessContext.join
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")

@@ -54,8 +54,8 @@ def is_spawned_worker(world_size, rank) -> bool:
     from . import emulator
     from .elastic import ENV_ELASTIC
 
-    if world_size in (-1, None) or rank in (-1, None):
-        return False
+    if world_size in (-1, None) or rank in (-1, None) or not os.environ.get(emulator.ENV_TOPOLOGY):
+        return False  # no nbox run around it (api.init in the script): nothing to map the worker onto
     if os.environ.get(ENV_ELASTIC) or os.environ.get(ENV_SPAWNED) or emulator._current is not None:
         return False
     return multiprocessing.parent_process() is not None
