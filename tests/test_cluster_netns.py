@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 
 from neuronabox.cluster import runtime as rt
 from neuronabox.cluster.netns import Namespace, list_namespaces
+from neuronabox.cluster.shaping import has_netem
 from neuronabox.cluster.state import ClusterState
 from neuronabox.topology.graph import ClusterGraph
 
@@ -724,6 +726,9 @@ def test_cli_verbs(tmp_path):
         assert r.exit_code == 0 and all(h["address"] in r.output and h["ns"] in r.output for h in hosts), r.output
         # What a launcher in each node needs for --rdzv-endpoint: node 0's address, said by up itself.
         assert f"node addresses: node0 {hosts[0]['address']}, node1 {hosts[1]['address']}" in up_said, up_said
+        if not has_netem():  # up says what the user-space delay path really gives (two 1 ms links each way)
+            said = " ".join(up_said.split())
+            assert "no netem in this kernel" in said and "node0 <-> node1 is set to a 4ms round trip and gives" in said
         r = runner.invoke(app, ["shape", "node0:0--switch", "--rate", "50Mbps", "--delay", "2ms", "--name", "cli"])
         assert r.exit_code == 0 and "50Mbps" in r.output, r.output
         r = runner.invoke(app, ["shape", "nosuch", "--delay", "2ms", "--name", "cli"])
@@ -739,6 +744,18 @@ def test_cli_verbs(tmp_path):
     finally:
         r = runner.invoke(app, ["down", "cli"])
         assert r.exit_code == 0, r.output
+
+
+def test_node_names_resolve_inside_nbox_exec(pair):
+    # As `ip netns exec` does: the node's /etc/netns/NS/hosts is its /etc/hosts (a mount namespace of its own).
+    if not shutil.which("ping"):
+        pytest.skip("needs ping (Debian: iputils-ping)")
+    r = rt.exec_in(pair, "node0", ["getent", "hosts", "node1"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.split()[:2] == [hosts(pair)[1]["address"], "node1"], r
+    r = rt.exec_in(pair, "node0", ["ping", "-c1", "-W5", "node1"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "1 received" in r.stdout, r.stdout + r.stderr
+    with open("/etc/hosts", encoding="utf-8") as f:
+        assert "node1" not in f.read()  # the host's own file is untouched
 
 
 def test_failed_up_takes_back_what_it_made():

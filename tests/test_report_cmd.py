@@ -96,3 +96,19 @@ def test_timeline_layout_agrees_with_the_summary(run_report):
         exposed.append(lay["exposed"])
     again = summarize({"iterations": its, "ops": rep["ops"]}, rep["warmup"])
     assert statistics.median(exposed) == pytest.approx(again["exposed_per_iteration"]["median"])
+
+
+def test_a_real_runs_exposed_number_is_one_number(run_report, tmp_path):
+    # The per-op rows add up to the run's exposed time, and the table and the PNG title say it alike.
+    from neuronabox.report.plots import suptitle
+    from neuronabox.report.run_summary import exposed_headline
+
+    rep = json.loads(run_report.read_text())
+    measured = sum(rep["iterations"][rep["warmup"]:])
+    per_op = sum(s["exposed_s"] for s in rep["per_op"].values())
+    assert per_op == pytest.approx(rep["exposed_ratio"] * measured, rel=1e-9, abs=1e-12)
+    r = nbox("report", str(run_report), "--png", str(tmp_path / "x.png"))
+    assert r.returncode == 0, r.stderr
+    head = exposed_headline(rep)
+    assert head in r.stdout and head in suptitle(rep)
+    assert rep["per_op"]["all_reduce"]["calls_per_iteration"] >= 1  # DDP's buckets: every iteration alike

@@ -125,6 +125,9 @@ def run(
             for path in (report, trace):
                 if path:
                     console.print(f"wrote {path}")
+            from ..report.run_summary import next_steps
+
+            console.print(next_steps(rep, str(report) if report else None), highlight=False, soft_wrap=True)
     if result.returncode != 0:
         why = list(result.failures.values()) + ([result.error] if result.error else [])
         if not launch.elastic() or not why:

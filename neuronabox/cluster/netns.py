@@ -60,8 +60,11 @@ __all__ = [
 
 DEFAULT_SUBNET = "10.77.0.0/16"
 NETNS_DIR = "/run/netns"
+# iproute2's convention: `ip netns exec NS` binds the files of /etc/netns/NS over /etc; so do we.
+ETC_NETNS = "/etc/netns"
 CLONE_NEWNET = 0x40000000
-MS_BIND, MS_REC, MS_SHARED = 4096, 16384, 1 << 20
+CLONE_NEWNS = 0x00020000
+MS_BIND, MS_REC, MS_SHARED, MS_SLAVE = 4096, 16384, 1 << 20, 1 << 19
 MNT_DETACH = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -138,8 +141,30 @@ class Namespace:
                     os.unlink(self.path)
                 raise
 
+    @property
+    def hosts_file(self) -> str:
+        """The namespace's own /etc/hosts (``write_hosts``), bound over /etc/hosts for processes started in it."""
+        return f"{ETC_NETNS}/{self.name}/hosts"
+
+    def write_hosts(self, entries: dict[str, str]) -> None:
+        """Write the namespace's hosts file: this host's /etc/hosts, then ``entries`` (name -> address)."""
+        try:
+            with open("/etc/hosts", encoding="utf-8") as f:
+                base = f.read()
+        except OSError:
+            base = "127.0.0.1\tlocalhost\n::1\tlocalhost\n"
+        lines = [base.rstrip("\n"), f"# nbox: the nodes of the cluster, for processes in {self.name}"]
+        lines += [f"{addr}\t{name}" for name, addr in entries.items()]
+        os.makedirs(os.path.dirname(self.hosts_file), exist_ok=True)
+        with open(self.hosts_file, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+
     def delete(self) -> bool:
-        """Unbind and remove the namespace; False when it did not exist."""
+        """Unbind and remove the namespace (and its hosts file); False when it did not exist."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.hosts_file)
+        with contextlib.suppress(OSError):  # only when empty: a file someone else put there stays
+            os.rmdir(os.path.dirname(self.hosts_file))
         if not os.path.exists(self.path):
             return False
         _libc.umount2(self.path.encode(), MNT_DETACH)
@@ -192,13 +217,19 @@ class Namespace:
 
     def preexec(self):
         """A preexec_fn that moves a child process into the namespace."""
-        path = self.path
+        path, hosts = self.path, self.hosts_file.encode()
 
         def enter() -> None:
             fd = os.open(path, os.O_RDONLY)
             if _libc.setns(fd, CLONE_NEWNET) != 0:
                 os._exit(127)
             os.close(fd)
+            # As `ip netns exec`: a mount namespace of its own, in which the cluster's hosts file is
+            # /etc/hosts, so node names resolve. Without it (no file, no CAP_SYS_ADMIN) the command
+            # still runs, with addresses only: better than not running at all.
+            if os.path.exists(hosts) and _libc.unshare(CLONE_NEWNS) == 0:
+                _libc.mount(b"none", b"/", None, MS_SLAVE | MS_REC, None)  # our binds do not leak out
+                _libc.mount(hosts, b"/etc/hosts", b"none", MS_BIND, None)
 
         return enter
 
@@ -690,6 +721,9 @@ def build_network(plan: NetworkPlan, state, progress=None) -> None:
                 batches[ns].route(dst, gw, oif, prefsrc, table)
         for b in batches.values():
             b.commit()
+        # Node names resolve inside the nodes (removed with each namespace, which the state records).
+        for p in plan.hosts:
+            nss[p.name].write_hosts(plan.node_addr)
         say(f"{len(plan.links)} links, {plan.route_count()} routes")
     finally:
         for b in batches.values():

@@ -206,6 +206,13 @@ def up(
 
                 start_stubs(st, neighbour_nodes(topo))
             st.set(phase="up", up_seconds=time.perf_counter() - t0)
+            if runtime == "netns" and shape and agent:
+                # Said at up, not found later in a ping: what delay the links really give here.
+                from .delay_probe import delay_note
+
+                note = delay_note(st.data)
+                if note:
+                    notes.append(note)
         except BaseException:
             # A failed `up` takes back what it made, so no `down` is owed.
             with contextlib.suppress(Exception):

@@ -30,6 +30,7 @@ import wrapt
 from ..topology import Topology
 from .emulator import ENV_REAL_RANK, current
 from .group_table import TABLE
+from .spawn import enter_spawned_worker, error_file, is_spawned_worker
 
 __all__ = ["prepare_env", "install", "uninstall", "installed", "free_port", "run_script", "child_pythonpath"]
 
@@ -129,6 +130,11 @@ def install() -> None:
     def init_process_group(*args, **kwargs):
         bound = init_sig.bind(*args, **kwargs)
         a = bound.arguments
+        world = a.get("world_size", -1)
+        rank = a.get("rank", -1)
+        spawned = is_spawned_worker(world, rank)
+        if spawned:  # a worker the script started itself (mp.spawn) becomes one real rank (spawn.py)
+            enter_spawned_worker(rank, world, a.get("init_method"))
         emu = current()
         a["backend"] = BACKEND_NAME
         # A device binding would make torch split NCCL communicators eagerly (_get_backend on our group).
@@ -136,11 +142,9 @@ def install() -> None:
         if a.get("store") is None:
             a["store"] = dist.HashStore()
             a["init_method"] = None
-        world = a.get("world_size", -1)
-        rank = a.get("rank", -1)
-        if world not in (-1, None) and world != emu.world_size:
+        if not spawned and world not in (-1, None) and world != emu.world_size:
             raise ValueError(f"nbox: init_process_group(world_size={world}) but the emulated world has {emu.world_size}")
-        if rank not in (-1, None) and rank != emu.real_rank:
+        if not spawned and rank not in (-1, None) and rank != emu.real_rank:
             raise ValueError(f"nbox: init_process_group(rank={rank}) but the real rank is {emu.real_rank}")
         a["world_size"] = emu.world_size
         a["rank"] = emu.real_rank
@@ -230,6 +234,7 @@ def install() -> None:
         _patch(dist, "init_device_mesh", init_device_mesh)
     except ImportError:
         pass
+    _patch_spawn_join()
     global _stage_hook
     if not _stage_hook:  # a hook fires once per import: registered once per process, it wraps once
         _stage_hook = True
@@ -261,6 +266,41 @@ def install() -> None:
 
     _hook_handle = register_optimizer_step_post_hook(step_post_hook)
     _pre_hook_handles.append(register_optimizer_step_pre_hook(step_pre_hook))
+
+
+def _patch_spawn_join() -> None:
+    """In the script's own process: a worker that could not become a real rank ends the script with 2, quietly.
+
+    The worker left its one line for ``nbox run`` (spawn.py); torch's spawn would wrap its exit
+    in a traceback that buries that line.
+    """
+    import logging
+
+    from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException
+
+    original_join = ProcessContext.join
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+
+    def ours(path) -> bool:
+        return path is not None and path.is_file()
+
+    def quiet(record: logging.LogRecord) -> bool:
+        # torch logs one "Terminating process ..." line per sibling it stops: noise beside our line.
+        return not ours(error_file())
+
+    @functools.wraps(original_join)
+    def join(self, *args, **kwargs):
+        spawn_log.addFilter(quiet)
+        try:
+            return original_join(self, *args, **kwargs)
+        except ProcessExitedException as exc:
+            if exc.exit_code == 2 and ours(error_file()):
+                raise SystemExit(2) from None
+            raise
+        finally:
+            spawn_log.removeFilter(quiet)
+
+    _patch(ProcessContext, "join", join)
 
 
 def _note_pipeline_stages(stage_module) -> None:
@@ -365,7 +405,8 @@ def autostart() -> None:
     wrapt.register_post_import_hook(_start_emulating, "torch")
     out = os.environ.get("NBOX_RECORD")
     if out:
-        atexit.register(_write_record, out)
+        # Read at exit: a worker the script spawned re-points NBOX_RECORD at its own file (spawn.py).
+        atexit.register(lambda: _write_record(os.environ.get("NBOX_RECORD") or out))
         _record_on_sigterm(out)
 
 
@@ -389,7 +430,7 @@ def _record_on_sigterm(path: str) -> None:
     def on_term(signum, frame) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
-            _write_record(path)
+            _write_record(os.environ.get("NBOX_RECORD") or path)
         finally:
             os.kill(os.getpid(), signal.SIGTERM)  # and die by it, as before: the parent sees status -15
 

@@ -27,6 +27,7 @@ from ..topology import Topology
 from .emulator import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY
 from .guard import ENV_PARENT, die_with_parent
 from .launch import child_pythonpath, prepare_env
+from .spawn import error_file
 
 __all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR"]
 
@@ -127,9 +128,22 @@ def run_command(
         except PermissionError:
             raise InputError(f"nbox run: command not executable: {command[0]!r}") from None
         rc, stopped_by = _wait(child, grace)
-        record = json.loads(record_file.read_text(encoding="utf-8")) if record_file.exists() else None
+        cannot = error_file(str(record_file))
+        if rc == 2 and cannot.is_file():  # a spawned worker could not become a real rank: its one line
+            raise InputError(cannot.read_text(encoding="utf-8").strip())
+        records = _read_records(record_file, real_rank)
+    record = records[min(records)] if records else None
     failures = {real_rank: f"real rank {real_rank} {describe_exit(rc)}"} if rc else {}
-    return RunResult(rc, record, {real_rank: record} if record is not None else {}, failures, stopped_by=stopped_by)
+    return RunResult(rc, record, records, failures, stopped_by=stopped_by)
+
+
+def _read_records(record_file: Path, real_rank: int) -> dict[int, dict[str, Any]]:
+    """The records the command left: its own (``record_file``), or one per worker it spawned (``rank-<R>.json``)."""
+    records = {int(p.stem.split("-", 1)[1]): json.loads(p.read_text(encoding="utf-8"))
+               for p in record_file.parent.glob("rank-*.json") if p.stem.split("-", 1)[1].isdigit()}
+    if record_file.exists() and real_rank not in records:
+        records[real_rank] = json.loads(record_file.read_text(encoding="utf-8"))
+    return records
 
 
 def run_real_ranks(

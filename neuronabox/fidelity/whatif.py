@@ -233,6 +233,15 @@ def _numeric(value: str) -> float | None:
         return None
 
 
+# Under the table: what its columns are, and why "in collectives" may exceed the iteration.
+COLUMNS_NOTE = (
+    "iteration: median and p95 of the measured iterations; exposed comm: the time the real rank waited on "
+    "collectives instead of computing (median per iteration); in collectives: the modeled time of all "
+    "collectives of an iteration added up (median). Collectives overlap compute and each other (DDP's buckets, "
+    "several communicators), so time in collectives can exceed the iteration; only the exposed part lengthens it."
+)
+
+
 def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Path, context: str = "") -> list[Path]:
     """CSV, Markdown table, ``whatif.json`` and one PNG per knob (iteration time and communication versus the knob).
 
@@ -255,7 +264,7 @@ def write_outputs(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: P
     for r in results:
         lines.append("| " + " | ".join(r.point[n] for n in names) + f" | {r.iteration_median_s * 1e3:.2f} | "
                      f"{r.iteration_p95_s * 1e3:.2f} | {r.exposed_median_s * 1e3:.2f} | {r.comm_median_s * 1e3:.2f} |")
-    md.write_text("\n".join(lines) + "\n")
+    md.write_text("\n".join(lines) + "\n\n" + COLUMNS_NOTE + "\n")
     written.append(md)
     doc = {"format": FORMAT, "context": context, "knobs": [{"name": k.name, "values": list(k.values)} for k in knobs],
            "results": [asdict(r) for r in results]}
@@ -341,7 +350,10 @@ def write_plots(results: Sequence[WhatIfResult], knobs: Sequence[Knob], out: Pat
         ax2.set_title("exposed vs inside collectives", fontsize=10)
         # The context (topology, model, command) runs longer than the figure is wide: wrapped, not clipped.
         fig.suptitle(f"what-if: {knob.name}" + (f"\n{textwrap.fill(context, 130)}" if context else ""), fontsize=10)
-        fig.tight_layout()
+        fig.text(0.01, 0.01, "in collectives: every collective's modeled time added up; they overlap compute and each "
+                 "other, so it can exceed the iteration. Only the exposed part lengthens the iteration.",
+                 fontsize=8, color="#444444")
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
         path = out / f"whatif_{knob.name.replace('.', '_')}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)

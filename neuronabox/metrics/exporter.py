@@ -31,6 +31,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ..exposed import split
+
 __all__ = [
     "ENV_ADDR",
     "ENV_FILE",
@@ -307,21 +309,8 @@ class RunCollector:
 
 
 def exposed_seconds(ops: list, start: float, end: float) -> float:
-    """Seconds the real rank waited on one iteration's collectives (OpRecords; the rule of ``run_summary``)."""
-    waited = 0.0
-    last_call = float("-inf")
-    unwaited_end = None
-    for r in ops:
-        waited += r.wait
-        if r.enqueue > last_call:
-            last_call = r.enqueue
-        if not r.wait and r.end is not None and (unwaited_end is None or r.end > unwaited_end):
-            unwaited_end = r.end
-    if unwaited_end is None:
-        return waited
-    # Waits inside C++ (DDP's reducer) are invisible: the stretch from the last call to the last
-    # modeled completion before the iteration ended is what the next compute waited for.
-    return waited + max(0.0, min(unwaited_end, end) - max(last_call, start))
+    """Seconds the real rank waited on one iteration's collectives (OpRecords), by ``neuronabox.exposed``'s rule."""
+    return sum(split([(r.enqueue, r.end, r.wait) for r in ops], start, end))
 
 
 class _NvmlGpus:

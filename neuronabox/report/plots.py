@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ..units import format_bandwidth, format_duration, format_size
+from .run_summary import calls_text, exposed_headline, exposed_split
 
-__all__ = ["median_iteration", "iteration_layout", "plot_run", "OP_COLORS"]
+__all__ = ["median_iteration", "iteration_layout", "plot_run", "suptitle", "OP_COLORS"]
 
 # Fixed colours per op, so every picture (and the dashboard's legend order) agrees.
 OP_COLORS = {
@@ -74,20 +75,16 @@ def iteration_layout(report: dict[str, Any], index: int) -> dict[str, Any]:
     start, end = marks[index], marks[index + 1]
     ops = [o for o in report.get("ops", []) if o["iteration"] == index]
     exposed_iv: list[tuple[float, float]] = []
-    waited = 0.0
     for o in ops:
         if o["wait"] and o.get("end") is not None:
             done = o["end"] + (o.get("lateness") or 0.0)
             exposed_iv.append((max(start, done - o["wait"]), min(end, done)))
-            waited += o["wait"]
-    tail = 0.0
     unwaited = [o["end"] for o in ops if not o["wait"] and o.get("end") is not None]
     if unwaited:
         last_call = max(o["enqueue"] for o in ops)
         a, b = max(last_call, start), min(max(unwaited), end)
         if b > a:
             exposed_iv.append((a, b))
-            tail = b - a
     exposed_iv = _merge(exposed_iv)
     compute, t = [], start
     for a, b in exposed_iv:
@@ -107,7 +104,7 @@ def iteration_layout(report: dict[str, Any], index: int) -> dict[str, Any]:
         "start": start,
         "end": end,
         "duration": end - start,
-        "exposed": waited + tail,  # run_summary's number
+        "exposed": sum(exposed_split(ops, start, end)),  # run_summary's number, by run_summary's rule
         "exposed_intervals": exposed_iv,
         "compute_intervals": compute,
         "lanes": dict(sorted(lanes.items())),
@@ -122,6 +119,15 @@ def _exposed_per_iteration(report: dict[str, Any]) -> list[float]:
 
 def _ms(x: float) -> float:
     return x * 1e3
+
+
+def suptitle(report: dict[str, Any]) -> str:
+    """The picture's title: the run, and its exposed communication as the summary table words it."""
+    head = (f"{report.get('topology') or 'run'} — {report.get('world_size')} ranks, "
+            f"real rank {report.get('real_rank')}, model {report.get('model')}")
+    if not report.get("iteration_time", {}).get("count"):
+        return head
+    return f"{head}\nexposed communication: {exposed_headline(report)}"
 
 
 def plot_run(report: dict[str, Any], path: str | Path, iteration: int | None = None, dpi: int = 130) -> Path:
@@ -144,9 +150,7 @@ def plot_run(report: dict[str, Any], path: str | Path, iteration: int | None = N
     ax_t = fig.add_subplot(gs[0, :])
     ax_ops = fig.add_subplot(gs[1, 0])
     ax_it = fig.add_subplot(gs[1, 1])
-    head = (f"{report.get('topology') or 'run'} — {report.get('world_size')} ranks, "
-            f"real rank {report.get('real_rank')}, model {report.get('model')}")
-    fig.suptitle(head, fontsize=13, fontweight="bold")
+    fig.suptitle(suptitle(report), fontsize=13, fontweight="bold")
 
     used_ops: set[str] = set()
     if index is None:
@@ -223,7 +227,7 @@ def _timeline(ax, report: dict[str, Any], lay: dict[str, Any], index: int) -> se
     kind = "median" if index == median_iteration(report) else "chosen"
     ax.set_title(
         f"Iteration {index} ({kind} of {len(report.get('iterations', []))}): {format_duration(d)} — "
-        f"compute {format_duration(max(0.0, d - exp))}, exposed communication {format_duration(exp)} "
+        f"compute {format_duration(max(0.0, d - exp))}, exposed in this iteration {format_duration(exp)} "
         f"({exp / d:.0%}), {len(lay['ops'])} collectives, {format_duration(comm_s)} modeled",
         fontsize=10.5, loc="left",
     )
@@ -260,8 +264,10 @@ def _breakdown(ax, report: dict[str, Any], index: int | None) -> None:
             a if len(algos) == 1 else f"{a} {c / total:.0%}" for a, c in sorted(algos.items(), key=lambda kv: -kv[1])
         )
         bw = s["bytes"] / s["modeled_s"] if s["modeled_s"] > 0 else 0.0
-        calls = s["count"] / measured
-        text = (f"{calls:.3g} call{'' if calls == 1 else 's'} · {format_size(s['bytes'] / measured)} · "
+        # A one-off op (not in every iteration alike) says its total, not a fraction of a call per iteration.
+        size = (f"{format_size(s['bytes'] / measured)}/iter" if s.get("calls_per_iteration") is not None
+                else f"{format_size(s['bytes'])}")
+        text = (f"{calls_text(s).replace(' per iteration', '/iter')} · {size} · "
                 f"{format_bandwidth(bw, bits=False)} algbw · {algo_text}")
         ax.text(per_it[y] + right * 0.01, y, text, va="center", fontsize=8,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5})

@@ -2,25 +2,29 @@
 
 Input is the record the real rank writes (``neuronabox.emu.launch``): per-op enqueue, start and
 end times (seconds since the recorder started), how long the caller blocked in ``wait()``, and
-the iteration durations. Exposed communication is the time the real rank waited: ``wait()``
-calls are measured; waits inside C++ (DDP's reducer waiting on bucket futures at the end of
-backward) are not visible to Python, so for ops nobody waited on in Python the exposed part is
-taken as the stretch from the iteration's last collective call to the last modeled completion
-before the iteration ended — the tail that the next compute had to wait for.
+the iteration durations. Exposed communication follows the one rule of ``neuronabox.exposed``
+(measured waits, plus the tail after the last call that DDP's reducer waits for in C++); each
+op is charged its own waits and the tail goes to the op that completed last, so the per-op
+rows add up to the total. The table, the per-op rows, the PNG (``plots.py``) and the report
+JSON (``exposed_per_iteration``, ``exposed_ratio``, ``per_op[*].exposed_s``) all read it.
 """
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from itertools import accumulate
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from ..exposed import split
 from ..stats import percentile
 from ..units import format_duration, format_size
 
-__all__ = ["summarize", "summarize_ranks", "summary_tables"]
+__all__ = ["summarize", "summarize_ranks", "summary_tables", "exposed_split", "exposed_headline", "calls_text",
+           "next_steps"]
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -36,15 +40,14 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
+def exposed_split(ops: list[dict], start: float, end: float) -> list[float]:
+    """Seconds of exposed communication charged to each of ``ops`` (one iteration's records, ``start`` to ``end``)."""
+    return split([(o["enqueue"], o.get("end"), o["wait"]) for o in ops], start, end)
+
+
 def _exposed(ops: list[dict], start: float, end: float) -> float:
     """Seconds the real rank waited on collectives between ``start`` and ``end``."""
-    waited = sum(o["wait"] for o in ops)
-    unwaited_ends = [o["end"] for o in ops if not o["wait"] and o["end"] is not None]
-    if not unwaited_ends:
-        return waited
-    last_call = max(o["enqueue"] for o in ops)
-    tail = max(0.0, min(max(unwaited_ends), end) - max(last_call, start))
-    return waited + tail
+    return sum(exposed_split(ops, start, end))
 
 
 def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -60,21 +63,36 @@ def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str,
     for o in ops:
         by_iter.setdefault(o["iteration"], []).append(o)
     comm, exposed = [], []
+    charged: dict[int, float] = {}  # id(op) -> its share of the exposed time
     for i in range(warmup, n):
         its = by_iter.get(i, [])
         comm.append(sum(o["duration"] for o in its))
-        exposed.append(_exposed(its, marks[i], marks[i + 1]) if its else 0.0)
+        shares = exposed_split(its, marks[i], marks[i + 1]) if its else []
+        charged.update((id(o), c) for o, c in zip(its, shares))
+        exposed.append(sum(shares))
     measured = [o for o in ops if o["iteration"] >= warmup]
     per_op: dict[str, dict[str, Any]] = {}
+    calls: dict[str, dict[int, int]] = {}  # op -> measured iteration -> calls in it
     for o in measured:
-        s = per_op.setdefault(o["op"], {"count": 0, "bytes": 0, "modeled_s": 0.0, "waited_s": 0.0, "algorithms": {}})
+        s = per_op.setdefault(o["op"], {"count": 0, "bytes": 0, "modeled_s": 0.0, "waited_s": 0.0, "exposed_s": 0.0,
+                                        "algorithms": {}})
         s["count"] += 1
         s["bytes"] += o["nbytes"]
         s["modeled_s"] += o["duration"]
         s["waited_s"] += o["wait"]
+        s["exposed_s"] += charged.get(id(o), 0.0)
         s["algorithms"][o["algorithm"]] = s["algorithms"].get(o["algorithm"], 0) + 1
-    for s in per_op.values():
+        if o["iteration"] < n:
+            calls.setdefault(o["op"], {}).setdefault(o["iteration"], 0)
+            calls[o["op"]][o["iteration"]] += 1
+    for name, s in per_op.items():
         s["mean_duration_s"] = s["modeled_s"] / s["count"]
+        # Calls per iteration mean something only for an op that every measured iteration makes
+        # equally often (DDP's all-reduce); a one-off (the initial broadcast) is a total count.
+        seen = calls.get(name, {})
+        counts = set(seen.values())
+        every = n > warmup and len(seen) == n - warmup and len(counts) == 1 and s["count"] == sum(seen.values())
+        s["calls_per_iteration"] = counts.pop() if every else None
     lateness = [o["lateness"] for o in ops if o.get("lateness") is not None]
     timed = iterations[warmup:]
     roles = _roles(record.get("roles"), warmup, timed, exposed)
@@ -180,6 +198,31 @@ def _t(seconds: float | None) -> str:
     return "-" if seconds is None or seconds != seconds else format_duration(seconds)
 
 
+def exposed_headline(report: dict[str, Any]) -> str:
+    """The run's exposed communication in words: the same text in the summary table and the PNG's title."""
+    med = report.get("exposed_per_iteration", {}).get("median")
+    return f"{report.get('exposed_ratio', 0.0):.1%} of the measured time (median {_t(med)} per iteration)"
+
+
+def calls_text(s: dict[str, Any]) -> str:
+    """An op's calls: per iteration when every measured iteration makes it equally often, else the total."""
+    per = s.get("calls_per_iteration")
+    if per is not None:
+        return f"{per} per iteration"
+    return f"{s['count']} in total"
+
+
+def next_steps(report: dict[str, Any], report_path: str | None = None) -> str:
+    """The line after the summary: the commands worth trying next on this run."""
+    topo = report.get("file") or "TOPOLOGY.yaml"
+    cmd = shlex.join(report.get("command") or []) or "python train.py"
+    if report_path:
+        draw = f"nbox report {shlex.quote(str(report_path))} --png {shlex.quote(str(Path(report_path).with_suffix('.png')))}"
+    else:
+        draw = f"nbox run {shlex.quote(topo)} --report run.json -- {cmd}; nbox report run.json --png run.png"
+    return f"next: {draw}  |  nbox whatif {shlex.quote(topo)} --sweep bandwidth_scale=0.5,1,2 -- {cmd}"
+
+
 def summary_tables(report: dict[str, Any]) -> list[Table]:
     """The exit summary as rich tables: the run, then one row per collective type (per real rank first, if several)."""
     if "ranks" in report:
@@ -195,21 +238,23 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
     t.add_row("iterations", f"{it.get('count', 0)} measured ({report['warmup']} warm-up of {total} left out)")
     if it.get("count"):
         t.add_row("iteration time", f"median {_t(it['median'])}, p95 {_t(it['p95'])}, mean {_t(it['mean'])}")
-        t.add_row("in collectives", f"median {_t(comm.get('median'))} per iteration (modeled)")
-        t.add_row(
-            "exposed comm", f"median {_t(exp.get('median'))} per iteration, {report['exposed_ratio']:.1%} of the time"
-        )
+        t.add_row("in collectives", f"median {_t(comm.get('median'))} per iteration (modeled; overlapping "
+                  "collectives each count, so this can exceed the iteration)")
+        t.add_row("exposed comm", exposed_headline(report) + ": the real rank waited, not computing")
     lat = report["lateness"]
     if lat.get("count"):
-        t.add_row("lateness", f"p50 {_t(lat['median'])}, p95 {_t(lat['p95'])}, max {_t(lat['max'])} (actual - modeled)")
-    ops = Table(title="collectives (measured iterations)", title_justify="left")
-    for col in ("op", "count", "bytes", "modeled", "mean", "waited", "algorithm"):
+        t.add_row("lateness", f"p50 {_t(lat['median'])}, p95 {_t(lat['p95'])}, max {_t(lat['max'])} "
+                  "(emulator overshoot: completion signalled after the modeled end)")
+    ops = Table(title="collectives (measured iterations)", title_justify="left",
+                caption="exposed: the op's share of the exposed comm above (the rows add up to it)",
+                caption_justify="left")
+    for col in ("op", "calls", "bytes", "modeled", "mean", "exposed", "algorithm"):
         ops.add_column(col, justify="left" if col in ("op", "algorithm") else "right")
     for name, s in sorted(report["per_op"].items(), key=lambda kv: -kv[1]["modeled_s"]):
         algos = ", ".join(f"{a}" + (f" x{c}" if len(s["algorithms"]) > 1 else "") for a, c in s["algorithms"].items())
         ops.add_row(
-            name, str(s["count"]), format_size(s["bytes"]), _t(s["modeled_s"]), _t(s["mean_duration_s"]),
-            _t(s["waited_s"]), algos,
+            name, calls_text(s), format_size(s["bytes"]), _t(s["modeled_s"]), _t(s["mean_duration_s"]),
+            _t(s.get("exposed_s", s["waited_s"])), algos,
         )
     tables = [t, ops] if report["per_op"] else [t]
     if report.get("roles"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -12,7 +13,7 @@ from ..topology import Topology
 from ..topology.graph import ClusterGraph
 from ..units import format_bandwidth, format_duration
 
-__all__ = ["summary_tables", "route_table", "write_png", "write_dot"]
+__all__ = ["summary_tables", "route_table", "draw", "write_png", "write_dot"]
 
 # Above this many vertices the drawing collapses each node's ranks and NICs into the host.
 _FULL_DRAWING_LIMIT = 160
@@ -147,8 +148,8 @@ def _layered_positions(h, collapsed: bool) -> dict[str, tuple[float, float]]:
     return pos
 
 
-def write_png(graph: ClusterGraph, path: str | Path) -> None:
-    """Draw the cluster (layered: switches above hosts) into a PNG file."""
+def draw(graph: ClusterGraph):
+    """The cluster drawing (layered: switches above hosts) as a matplotlib Figure; ``write_png`` saves it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,15 +165,18 @@ def write_png(graph: ClusterGraph, path: str | Path) -> None:
     colors = {"switch": "#d62728", "host": "#1f77b4", "nic": "#2ca02c", "rank": "#ff7f0e"}
     n = h.number_of_nodes()
     size = max(20, 900 // max(1, n // 10))
-    fig, ax = plt.subplots(figsize=(min(40, 8 + n / 12), 8))
+    width = min(40, 8 + n / 12)
+    fig, ax = plt.subplots(figsize=(width, 8))
     nx.draw_networkx_edges(h, pos, ax=ax, width=0.6, alpha=0.5)
     for kind, color in colors.items():
         nodes = [v for v, d in h.nodes(data=True) if d["kind"] == kind]
         if nodes:
             nx.draw_networkx_nodes(h, pos, nodelist=nodes, node_color=color, node_size=size, ax=ax, label=kind)
-    layer_sizes = Counter(round(y, 6) for _, y in pos.values())
-    if max(layer_sizes.values()) <= 40:
-        nx.draw_networkx_labels(h, pos, font_size=6, ax=ax)
+    if ring:
+        if n <= 40:
+            nx.draw_networkx_labels(h, pos, font_size=6, ax=ax)
+    else:
+        _layer_labels(ax, pos, width)
     topo = graph.topo
     ax.set_title(
         f"{topo.name}: {topo.world_size} ranks on {len(topo.nodes)} nodes, {topo.network.type}"
@@ -181,5 +185,42 @@ def write_png(graph: ClusterGraph, path: str | Path) -> None:
     ax.legend(loc="upper right", fontsize=8, markerscale=0.6)
     ax.axis("off")
     fig.tight_layout()
+    return fig
+
+
+_FONT_PT = 6.5
+_CHAR_IN = _FONT_PT * 0.62 / 72  # a character's width at that size, in inches (DejaVu Sans, about)
+_LINE_IN = _FONT_PT * 1.35 / 72  # a line's height
+
+
+def _layer_labels(ax, pos: dict[str, tuple[float, float]], fig_width_in: float) -> None:
+    """Label each tier so that no two labels overlap: level when they fit, else upright below the nodes.
+
+    A tier too dense even for upright labels (hundreds of hosts) gets every k-th one.
+    """
+    layers: dict[float, list[str]] = {}
+    for v, (_, y) in pos.items():
+        layers.setdefault(y, []).append(v)
+    usable = fig_width_in * 0.85  # the axes' share of the figure after tight_layout, with the legend
+    for y, members in layers.items():
+        members.sort(key=lambda v: pos[v][0])
+        pitch = usable / len(members)  # inches between neighbours
+        longest = max(len(v) for v in members) * _CHAR_IN
+        if longest <= pitch * 0.9:
+            for v in members:
+                ax.text(pos[v][0], y, v, fontsize=_FONT_PT, ha="center", va="center", zorder=5)
+            continue
+        step = max(1, math.ceil(_LINE_IN / pitch))
+        for v in members[::step]:
+            ax.text(pos[v][0], y - 0.09, v, fontsize=_FONT_PT, ha="center", va="top", rotation=90, zorder=5)
+    lo = min(layers)
+    ax.set_ylim(lo - 0.6, max(layers) + 0.25)  # room for the upright labels under the lowest tier
+
+
+def write_png(graph: ClusterGraph, path: str | Path) -> None:
+    """Draw the cluster (layered: switches above hosts) into a PNG file."""
+    import matplotlib.pyplot as plt
+
+    fig = draw(graph)
     fig.savefig(path, dpi=110)
     plt.close(fig)
