@@ -1,0 +1,118 @@
+"""``nbox run``'s messages and signals as a newcomer meets them: typos, a missing script, a script
+that never calls torch.distributed, and Ctrl-C (to the whole process group, or to nbox alone)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from .conftest import ROOT, run_nbox
+
+PY = sys.executable
+
+TOPO = """
+cluster: {nodes: 8, ranks_per_node: 1}
+network: {type: switch, link: {bandwidth: 10Gbps, latency: 10us}}
+emulation: {library: gloo}
+"""
+
+
+@pytest.fixture
+def topo(tmp_path):
+    path = tmp_path / "topo.yaml"
+    path.write_text(TOPO)
+    return path
+
+
+def test_a_mistyped_option_gets_clicks_error_with_a_suggestion(topo):
+    r = run_nbox("run", str(topo), "--reprot", "r.json", "--", PY, "-c", "print(1)")
+    assert r.returncode == 2, r.stdout + r.stderr
+    text = " ".join(r.stderr.replace("│", " ").split())
+    # click's own wording: "Did you mean --report?" for one close match, "Possible options: ..." for several.
+    assert "No such option: --reprot" in text and "--report" in text.split("--reprot", 1)[1], r.stderr
+    assert "command not found" not in r.stderr
+
+
+def test_a_missing_script_says_so_in_one_line(topo, tmp_path):
+    r = run_nbox("run", str(topo), "--", PY, "-u", "no_such_train.py", "--steps", "3", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == f"nbox: error: nbox run: no such script: 'no_such_train.py' (from {tmp_path})", r.stderr
+    assert r.stdout == ""
+
+
+def test_python_script_finds_the_script_behind_interpreter_options():
+    from neuronabox.emu.runner import python_script
+
+    assert python_script(["python3", "-u", "-W", "ignore", "t.py", "--x"]) == "t.py"
+    assert python_script([PY, "t.py"]) == "t.py"
+    assert python_script(["python", "-m", "pkg.train"]) is None
+    assert python_script(["python", "-c", "print(1)"]) is None
+    assert python_script(["torchrun", "t.py"]) is None
+
+
+def test_a_script_with_no_distributed_calls_gets_one_warning_line(topo):
+    pytest.importorskip("torch", reason="nbox run needs torch")
+    r = run_nbox("run", str(topo), "--", PY, "-c", "print('hello')")
+    assert r.returncode == 0, r.stderr
+    assert "hello" in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nbox: warning:") and "no torch.distributed calls" in lines[0], r.stderr
+
+
+def _run_then_interrupt(argv: list[str], said: str, to_group: bool):
+    """Start nbox in a session of its own, send SIGINT to its process group (Ctrl-C) or to nbox alone once ``said`` shows."""
+
+    def own_session() -> None:
+        os.setsid()
+        # A background job (`make test &`) hands its children SIGINT ignored, and Python keeps that.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    p = subprocess.Popen([PY, "-m", "neuronabox.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=ROOT, env={**os.environ, "COLUMNS": "200"}, preexec_fn=own_session)
+    out: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in p.stdout:
+            out.append(line)
+            if said in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(180), "".join(out) + p.stderr.read()
+        t0 = time.monotonic()
+        if to_group:
+            os.killpg(p.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        else:
+            p.send_signal(signal.SIGINT)
+        err = p.stderr.read()
+        rc = p.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    reader.join(10)
+    return rc, "".join(out), err, took
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c", "nbox-alone"])
+def test_sigint_interrupts_the_script_prints_the_summary_and_exits_130(topo, tmp_path, to_group):
+    """DDP's all-reduces start in C++: a KeyboardInterrupt there used to end in a torch traceback."""
+    pytest.importorskip("torch", reason="nbox run needs torch")
+    report = tmp_path / "r.json"
+    rc, out, err, took = _run_then_interrupt(
+        ["run", str(topo), "--report", str(report), "--", PY, str(ROOT / "examples/ddp_train.py"), "--steps", "100000"],
+        "step  10", to_group)
+    assert rc == 130, out + err
+    assert "iteration time" in out and report.exists(), out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "nbox: stopped by SIGINT" in err and len(err.strip().splitlines()) == 1, err
+    assert took < 8, took  # not a 10 s wait and a SIGKILL
