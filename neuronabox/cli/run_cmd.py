@@ -131,8 +131,8 @@ def run(
         import signal
 
         tail = "" if result.record is not None else "; it wrote no record, so there is no summary"
-        print(f"nbox: stopped by {result.stopped_by}: the command {describe_exit(result.returncode)}{tail}",
-              file=sys.stderr)
+        how = "torch's agent stopped the workers" if launch.elastic() else f"the command {describe_exit(result.returncode)}"
+        print(f"nbox: stopped by {result.stopped_by}: {how}{tail}", file=sys.stderr)
         raise typer.Exit(128 + int(getattr(signal, result.stopped_by)))
     if result.returncode != 0:
         why = list(result.failures.values()) + ([result.error] if result.error else [])

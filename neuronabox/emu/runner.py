@@ -193,7 +193,7 @@ def run_real_ranks(
         with enter:
             res = run_elastic(plan, command, env, Path(tmp))
     first = res.records[min(res.records)] if res.records else None
-    return RunResult(res.returncode, first, res.records, res.failures, res.error)
+    return RunResult(res.returncode, first, res.records, res.failures, res.error, res.stopped_by)
 
 
 def _cluster_node(env: dict[str, str], topology: Topology, real_ranks: list[int], cluster: str):
