@@ -128,3 +128,55 @@ def test_sigint_interrupts_the_script_prints_the_summary_and_exits_130(topo, tmp
     ours = [line for line in err.strip().splitlines() if not re.match(r"[IWE]\d{4} ", line)]
     assert len(ours) == 1 and ours[0].startswith("nbox: stopped by SIGINT"), err
     assert took < 8, took  # not a 10 s wait and a SIGKILL
+
+
+@pytest.mark.slow
+def test_ctrl_c_typed_at_a_terminal(topo, tmp_path):
+    """The real thing: nbox in the foreground of a pseudo-terminal, ^C written to it; the kernel
+    sends SIGINT to the whole foreground process group (nbox and the script)."""
+    pytest.importorskip("torch", reason="nbox run needs torch")
+    import fcntl
+    import pty
+    import select
+    import termios
+
+    master, slave = pty.openpty()
+
+    def controlling_terminal() -> None:
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    report = tmp_path / "r.json"
+    p = subprocess.Popen([PY, "-m", "neuronabox.cli", "run", str(topo), "--report", str(report), "--", PY,
+                          str(ROOT / "examples/ddp_train.py"), "--steps", "100000"],
+                         stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env={**os.environ, "COLUMNS": "200"},
+                         preexec_fn=controlling_terminal)
+    os.close(slave)
+    text, sent = b"", None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: every process holding the terminal has ended
+                    break
+                if not chunk:
+                    break
+                text += chunk
+            if sent is None and b"step  10" in text:
+                os.write(master, b"\x03")  # ^C, as typed
+                sent = time.monotonic()
+        rc = p.wait(60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        os.close(master)
+    out = text.decode(errors="replace")
+    assert sent is not None, out
+    assert rc == 130, out
+    assert "iteration time" in out and "nbox: stopped by SIGINT" in out and report.exists(), out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
