@@ -45,6 +45,17 @@ def test_a_missing_script_says_so_in_one_line(topo, tmp_path):
     assert r.stdout == ""
 
 
+def test_report_and_trace_folders_are_made(topo, tmp_path):
+    pytest.importorskip("torch", reason="nbox run needs torch")
+    report, trace = tmp_path / "new/run.json", tmp_path / "other/deeper/trace.json"
+    script = "import torch.distributed as dist; dist.init_process_group(); dist.barrier()"
+    r = run_nbox("run", str(topo), "-q", "--report", str(report), "--trace", str(trace), "--", PY, "-c", script)
+    assert r.returncode == 0 and report.exists() and trace.exists(), r.stderr
+    (tmp_path / "file").write_text("")
+    r = run_nbox("run", str(topo), "--report", str(tmp_path / "file/run.json"), "--", PY, "-c", script)
+    assert r.returncode == 2 and r.stderr.startswith("nbox: error: --report ") and "cannot make its folder" in r.stderr, r.stderr
+
+
 def test_python_script_finds_the_script_behind_interpreter_options():
     from neuronabox.emu.runner import python_script
 

@@ -73,6 +73,14 @@ def run(
         raise InputError(f"--warmup: must be 0 or more, got {warmup}")
     if mode not in ("model", "wire"):
         raise InputError(f"--mode: expected model or wire, got {mode!r}")
+    for flag, path in (("--report", report), ("--trace", trace)):
+        # Made before the run, so that a folder that cannot be made costs no training run and the
+        # summary is not lost to a traceback after it.
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise InputError(f"{flag} {path}: cannot make its folder ({exc.strerror})") from None
     if mode == "wire" and not cluster:
         raise InputError("--mode wire needs --cluster NAME (a cluster brought up with `nbox up`)")
     from ..metrics.progress import RunProgress
