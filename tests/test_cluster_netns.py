@@ -360,7 +360,7 @@ def test_user_space_delay_adds_the_set_delay(pair):
     call = agent(pair)
     a, b = hosts(pair)
     # The base crosses the delay path holding nothing (1 µs): what is checked is the delay it adds.
-    # At 0 the path is not there at all, and its own latency (README) would count as added delay.
+    # At 0 the path is not there at all, and its own latency (docs/guide/cluster.md) would count as added delay.
     call("/links/node0:0--switch", {"rate": "10Gbps", "delay": "1us"})
     _, base = echo_rtt(a, b)
     for delay in (0.001, 0.005):

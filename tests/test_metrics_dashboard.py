@@ -25,7 +25,7 @@ TARGETS = [
     {"job": "nbox-agent", "targets": ["10.0.0.1:9100", "10.0.0.2:9100"], "labels": {"cluster": "ignored", "role": "agent"}},
 ]
 
-# Every metric the real rank's exporter or the shaping agent exports (README "Metrics").
+# Every metric the real rank's exporter or the shaping agent exports (docs/guide/metrics.md).
 EXPORTED = {
     "nbox_info", "nbox_emulated_world_size",
     "nbox_iteration_duration_seconds_bucket", "nbox_iteration_duration_seconds_sum", "nbox_iteration_duration_seconds_count",

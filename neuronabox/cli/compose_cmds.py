@@ -13,7 +13,6 @@ from . import app, console, load
 
 @app.command(
     "compose",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     no_args_is_help=True,
 )
 def compose_cmd(

@@ -11,7 +11,6 @@ import typer
 from ..errors import InputError
 from . import BANDWIDTH_SCALE, INJECT, LATENCY_SCALE, app, console, load
 
-_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 NODES = typer.Option(None, "--nodes", "-N", help="Real machines (default: the nodes of the topology's real ranks).")
 NPROC = typer.Option(None, "--nproc-per-node", help="Real ranks per machine (default: the topology's, per node).")
 GPUS = typer.Option(None, "--gpus-per-node", help="GPUs per machine (default: K on a GPU topology, 0 on CPU).")
@@ -46,7 +45,7 @@ def _describe(plan) -> str:
             f"{'s' if plan.nproc_per_node != 1 else ''} of {plan.world_size} ({plan.topology_name})")
 
 
-@app.command("slurm", context_settings=_EXTRA, no_args_is_help=True)
+@app.command("slurm", no_args_is_help=True)
 def slurm_cmd(
     topology: Path = typer.Argument(..., help="Topology YAML file."),
     command: List[str] = typer.Argument(None, help="The training command, after --, e.g. -- python train.py"),
@@ -89,7 +88,7 @@ def slurm_cmd(
                   highlight=False, soft_wrap=True)
 
 
-@app.command("k8s", context_settings=_EXTRA, no_args_is_help=True)
+@app.command("k8s", no_args_is_help=True)
 def k8s_cmd(
     topology: Path = typer.Argument(..., help="Topology YAML file."),
     command: List[str] = typer.Argument(None, help="The training command, after --, e.g. -- python train.py"),

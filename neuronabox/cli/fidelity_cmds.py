@@ -13,7 +13,7 @@ from ..fidelity.calibrate import DEFAULT_SIZES
 from . import app, console, load
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, no_args_is_help=True)
+@app.command(no_args_is_help=True)  # no ignore_unknown_options: see run_cmd.py
 def whatif(
     topology: Path = typer.Argument(..., help="Topology YAML file."),
     command: List[str] = typer.Argument(None, help="The training command, after --."),
@@ -74,7 +74,7 @@ def whatif(
         raise stopped
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, no_args_is_help=True)
+@app.command(no_args_is_help=True)  # no ignore_unknown_options: see run_cmd.py
 def validate(
     topology: Path = typer.Argument(..., help="Topology YAML file (its nodes become a netns cluster)."),
     command: List[str] = typer.Argument(None, help="The training command, after --."),
@@ -178,7 +178,7 @@ def validate(
         raise typer.Exit(1)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, no_args_is_help=True)
+@app.command(no_args_is_help=True)  # no ignore_unknown_options: see run_cmd.py
 def record(
     command: List[str] = typer.Argument(None, help="The launcher and its arguments, after --."),
     out: Path = typer.Option(Path("nbox-record"), "-o", "--out", help="Folder for rank-<rank>.json (one per rank started)."),

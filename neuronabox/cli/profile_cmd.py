@@ -12,7 +12,6 @@ from . import app, console, load
 
 
 @app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     no_args_is_help=True,
 )
 def profile(

@@ -13,10 +13,9 @@ from ..errors import InputError
 from . import BANDWIDTH_SCALE, INJECT, LATENCY_SCALE, WORLD_SIZE, app, console, load
 
 
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    no_args_is_help=True,
-)
+# No ignore_unknown_options: everything after `--` is the command anyway, and a mistyped option
+# before it (--reprot) must get click's "No such option ... Did you mean --report?", not be run.
+@app.command(no_args_is_help=True)
 def run(
     topology: Path = typer.Argument(..., help="Topology YAML file."),
     command: List[str] = typer.Argument(None, help="The training command, after --, e.g. -- python train.py --epochs 1"),
@@ -74,6 +73,14 @@ def run(
         raise InputError(f"--warmup: must be 0 or more, got {warmup}")
     if mode not in ("model", "wire"):
         raise InputError(f"--mode: expected model or wire, got {mode!r}")
+    for flag, path in (("--report", report), ("--trace", trace)):
+        # Made before the run, so that a folder that cannot be made costs no training run and the
+        # summary is not lost to a traceback after it.
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise InputError(f"{flag} {path}: cannot make its folder ({exc.strerror})") from None
     if mode == "wire" and not cluster:
         raise InputError("--mode wire needs --cluster NAME (a cluster brought up with `nbox up`)")
     from ..metrics.progress import RunProgress
@@ -103,10 +110,11 @@ def run(
         else:
             result = run_command(topo, command or [], real, cluster=cluster, mode=mode, extra_env=extra_env)
     if result.record is None:
-        # A command killed by a signal had no exit in which to write its record; it may well
-        # have made calls.
-        if result.returncode >= 0:
-            console.print("[yellow]nbox: the command made no torch.distributed calls: nothing was emulated[/yellow]")
+        # Only a command that ran to its end: one that failed says why itself, and one killed by
+        # a signal had no exit in which to write its record (it may well have made calls).
+        if result.returncode == 0:
+            print(f"nbox: warning: {' '.join(command or [])!r} made no torch.distributed calls "
+                  "(no init_process_group): nothing was emulated, so there is no summary", file=sys.stderr)
     else:
         from ..report.run_summary import summarize_ranks
 
@@ -128,6 +136,15 @@ def run(
             from ..report.run_summary import next_steps
 
             console.print(next_steps(rep, str(report) if report else None), highlight=False, soft_wrap=True)
+    if result.stopped_by:
+        # Ctrl-C or SIGTERM, passed on to the command: what ran is summarized above; exit as the
+        # shell would for that signal (130, 143).
+        import signal
+
+        tail = "" if result.record is not None else "; it wrote no record, so there is no summary"
+        how = "torch's agent stopped the workers" if launch.elastic() else f"the command {describe_exit(result.returncode)}"
+        print(f"nbox: stopped by {result.stopped_by}: {how}{tail}", file=sys.stderr)
+        raise typer.Exit(128 + int(getattr(signal, result.stopped_by)))
     if result.returncode != 0:
         why = list(result.failures.values()) + ([result.error] if result.error else [])
         if not launch.elastic() or not why:

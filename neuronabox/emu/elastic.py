@@ -109,6 +109,7 @@ class ElasticResult:
     failures: dict[int, str]
     real_ranks: list[int]
     error: str | None = None
+    stopped_by: str | None = None  # SIGINT or SIGTERM when nbox itself was stopped while the workers ran
 
 
 def _parse_nnodes(value: str) -> int:
@@ -289,7 +290,7 @@ def run_elastic(plan: LaunchPlan, command: Sequence[str], env: Mapping[str, str]
         logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "torchelastic")),
     )
     failures: dict[int, str] = {}
-    error = None
+    error = stopped_by = None
     saved = dict(os.environ)
     # The agent's workers inherit this process's environment (torch copies os.environ).
     os.environ.clear()
@@ -307,7 +308,7 @@ def run_elastic(plan: LaunchPlan, command: Sequence[str], env: Mapping[str, str]
             first = " (first failure)" if n == 0 and len(ordered) > 1 else ""
             failures[world] = f"real rank {world} (launch rank {index}) {describe_exit(f.exitcode)}{first}"
     except SignalException as exc:  # Ctrl-C or a TERM to nbox run: torch's agent has stopped the workers
-        rc, error = 1, f"nbox run got {signal.Signals(exc.sigval).name}: the workers were stopped"
+        rc, stopped_by = 1, signal.Signals(exc.sigval).name
     except RendezvousError as exc:
         rc = 1
         error = f"the rendezvous at {plan.rdzv_endpoint} ({plan.rdzv_backend}) failed: {type(exc).__name__}: {exc}"
@@ -321,7 +322,7 @@ def run_elastic(plan: LaunchPlan, command: Sequence[str], env: Mapping[str, str]
             records[rank] = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-    return ElasticResult(rc, records, failures, plan.real_ranks, error)
+    return ElasticResult(rc, records, failures, plan.real_ranks, error, stopped_by)
 
 
 # ---- the child side -------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ stands for ``c_i`` members (itself included): c_i = 1 + (n-k)//k, plus one for t
 (n-k) % k real members. SUM all-reduce gives sum_i c_i x_i (= real sum x n/k when k divides
 n), AVG that divided by n, all-gather's chunk j is the tensor of j's mirror, and so on.
 
-Timing (CPU path, documented in the README): op i of a hybrid communicator starts at
+Timing (CPU path, documented in docs/guide/real-ranks.md): op i of a hybrid communicator starts at
 max(latest real arrival, op i-1's modeled end) and ends at start + the model's duration for
 the whole group; a real rank completes it at max(that end, when its real transfer finished,
 its completion of op i-1). Each real rank's arrival (call time, plus the straggler hook's

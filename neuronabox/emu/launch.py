@@ -408,6 +408,7 @@ def autostart() -> None:
         # Read at exit: a worker the script spawned re-points NBOX_RECORD at its own file (spawn.py).
         atexit.register(lambda: _write_record(os.environ.get("NBOX_RECORD") or out))
         _record_on_sigterm(out)
+        _record_on_sigint(out)
 
 
 def _start_emulating(_torch) -> None:
@@ -435,6 +436,38 @@ def _record_on_sigterm(path: str) -> None:
             os.kill(os.getpid(), signal.SIGTERM)  # and die by it, as before: the parent sees status -15
 
     signal.signal(signal.SIGTERM, on_term)
+
+
+def _record_on_sigint(path: str) -> None:
+    """Ctrl-C: write the record and end as SIGINT's default action would, instead of a traceback from a collective."""
+    import signal
+    import threading
+
+    # A KeyboardInterrupt raised inside a collective that torch called from C++ (DDP's reducer)
+    # comes out as "RuntimeError: Cannot extract tensors from value: KeyboardInterrupt" and a
+    # 15-line traceback. A script's own SIGINT handler keeps its meaning; so does a process of
+    # the run that emulates nothing (a wrapper, a DataLoader worker forked from the rank).
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    import sys
+
+    owner, busy = os.getpid(), []
+
+    def on_int(signum, frame) -> None:
+        emulator = sys.modules.get(__package__ + ".emulator")  # not imported: this process emulates nothing
+        if os.getpid() != owner or emulator is None or emulator._current is None:
+            raise KeyboardInterrupt
+        if busy:  # nbox run passes Ctrl-C on as well: the second copy must not cut the record short
+            return
+        busy.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            _write_record(path)
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)  # the parent sees status -2, as after a plain Ctrl-C
+
+    signal.signal(signal.SIGINT, on_int)
 
 
 def _write_record(path: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -80,6 +81,30 @@ def _write_topology(folder: str, topology: Topology) -> Path:
 def _require_command(command: Sequence[str]) -> None:
     if not command:
         raise InputError("nbox run: no command to run (usage: nbox run TOPOLOGY [OPTIONS] -- python train.py ARGS)")
+    script = python_script(command)
+    if script is not None and not os.path.isfile(script):
+        # Python would say so itself, but only after the run started, and then nbox would add that
+        # nothing was emulated and that the command failed: three lines for one typo.
+        raise InputError(f"nbox run: no such script: {script!r} (from {os.getcwd()})")
+
+
+# Interpreter options that take the next argument as their value (``python -W ignore x.py``).
+_PY_VALUE_OPTIONS = {"-W", "-X", "--check-hash-based-pycs"}
+
+
+def python_script(command: Sequence[str]) -> str | None:
+    """The script a ``python ... SCRIPT args`` command runs; None for ``-c``, ``-m``, stdin or another program."""
+    if not re.fullmatch(r"python[0-9.]*", os.path.basename(command[0])):
+        return None
+    args = iter(command[1:])
+    for arg in args:
+        if arg in ("-c", "-m", "-") or arg.startswith(("-c", "-m")) and not arg.startswith("--"):
+            return None
+        if arg in _PY_VALUE_OPTIONS:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def describe_exit(code: int) -> str:
@@ -124,7 +149,8 @@ def run_command(
         try:
             child = subprocess.Popen(list(command), env=env, preexec_fn=preexec)
         except FileNotFoundError:
-            raise InputError(f"nbox run: command not found: {command[0]!r}") from None
+            what = "no such file" if os.sep in command[0] else "command not found"
+            raise InputError(f"nbox run: {what}: {command[0]!r}") from None
         except PermissionError:
             raise InputError(f"nbox run: command not executable: {command[0]!r}") from None
         rc, stopped_by = _wait(child, grace)
@@ -181,7 +207,7 @@ def run_real_ranks(
         with enter:
             res = run_elastic(plan, command, env, Path(tmp))
     first = res.records[min(res.records)] if res.records else None
-    return RunResult(res.returncode, first, res.records, res.failures, res.error)
+    return RunResult(res.returncode, first, res.records, res.failures, res.error, res.stopped_by)
 
 
 def _cluster_node(env: dict[str, str], topology: Topology, real_ranks: list[int], cluster: str):
@@ -263,10 +289,10 @@ class _Stopping(Exception):
 
 def _wait(child: subprocess.Popen, grace: float) -> tuple[int, str | None]:
     """The child's exit status, and SIGINT or SIGTERM if nbox was stopped meanwhile."""
-    # Ctrl-C reaches the child too (same process group); give it time to write its record.
-    # SIGTERM (a scheduler's time limit, a supervisor) is passed on, and the child writes its
-    # record before it dies (launch.autostart); one that does not end within the grace
-    # (stuck in a C call that never returns to Python) is killed.
+    # Either signal is passed on, and the child writes its record before it dies (launch.autostart);
+    # one that does not end within the grace (stuck in a C call that never returns to Python) is
+    # killed. Ctrl-C reaches the child by itself too (same process group) while `kill -INT` of nbox
+    # does not: passing SIGINT on makes both the same, and autostart ignores the second copy.
     def forward(*_) -> None:
         child.send_signal(signal.SIGTERM)
         raise _Stopping
@@ -287,11 +313,12 @@ def _wait(child: subprocess.Popen, grace: float) -> tuple[int, str | None]:
                 deadline = deadline or time.monotonic() + grace
                 stopped_by = stopped_by or "SIGTERM"
             except KeyboardInterrupt:
+                if stopped_by == "SIGINT":
+                    child.kill()  # a second Ctrl-C: the user does not want to wait for the record
+                else:
+                    child.send_signal(signal.SIGINT)
+                deadline = deadline or time.monotonic() + grace
                 stopped_by = stopped_by or "SIGINT"
-                try:
-                    return child.wait(timeout=10), stopped_by
-                except subprocess.TimeoutExpired:
-                    child.kill()
     finally:
         signal.signal(signal.SIGTERM, previous)
 

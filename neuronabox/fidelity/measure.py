@@ -9,7 +9,7 @@ sweep stops after the first size whose op takes longer than ``max_op_s``: that k
 default run (4 B to 256 MiB, every op gloo has) to a few minutes on a 100 Mbit link, where
 256 MiB alone would take 20 s an op. With gloo, rank 0 then also measures how collectives and
 the host's compute share the CPU: progress while computing, CPU cost, two ops at once, and the
-stalls of ops issued after compute (README, "A CPU library's collectives").
+stalls of ops issued after compute (docs/fidelity.md, "A CPU library's collectives").
 """
 
 from __future__ import annotations

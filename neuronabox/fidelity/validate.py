@@ -668,7 +668,7 @@ def run_validation(
         real.runs.extend(recorded)
         if calibrate_ops:
             # On the cluster the runs use, right before them: a profile measured minutes or a
-            # cluster instance earlier reads this machine's state then (README, "Fidelity on one machine").
+            # cluster instance earlier reads this machine's state then (docs/guide/validate.md).
             profile = _calibrate_here(topo, up.name, calibrate_ops, calibrate_sizes, calibrated_to, keep_logs or tmp, say)
             effective = with_profile(topo, profile, None)
         if roles is not None:

@@ -9,7 +9,7 @@ one (it appears at ``init_process_group``).
 
 Every sample carries ``cluster`` and ``run`` labels, so one Prometheus and one dashboard can
 hold many runs; the scrape configuration keeps them (``honor_labels``). Metric names, labels
-and help texts are listed in README.md ("Metrics").
+and help texts are listed in docs/guide/metrics.md.
 """
 
 from __future__ import annotations
