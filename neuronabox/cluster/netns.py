@@ -478,6 +478,7 @@ def plan_network(topo, cluster: str, subnet: str = DEFAULT_SUBNET) -> NetworkPla
     from ..topology.graph import ClusterGraph
 
     g = ClusterGraph(topo)
+    g.materialize(ranks=False)  # every namespace is planned from its host and NICs; ranks need none
     gg = g.g
     alloc = _Allocator(subnet)
     namespaces: list[PlannedNs] = []
