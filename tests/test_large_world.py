@@ -164,3 +164,27 @@ def test_deep_block_yaml_is_refused_with_one_line(tmp_path):
     r = run_nbox("show", str(path))
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "nested deeper than 32" in lines[0], lines
+
+
+def test_neighbour_nodes_follow_the_ring_in_rank_order():
+    from neuronabox.cluster.stub import neighbour_nodes
+
+    topo = load_topology(TOPOLOGIES / "hetero-a100-h100.yaml")
+    order = sorted(range(topo.world_size), key=lambda r: (topo.rank_node[r], r))  # the ring, spelled out
+    for r in (0, 5, topo.world_size - 1):
+        i = order.index(r)
+        want = list(dict.fromkeys(topo.node_of(x).name for x in (order[i - 1], order[(i + 1) % len(order)])))
+        assert neighbour_nodes(topo, [r]) == want
+    assert neighbour_nodes(parse_topology(TEN_M, "ten-m.yaml")) == ["node9999", "node0"]
+
+
+@pytest.mark.parametrize("name", ["dgx-h100-32", "cpu-8x3-fat-tree", "cpu-8x3-ring"])
+def test_up_plans_the_same_network_from_a_lazy_graph(name, monkeypatch):
+    from neuronabox.cluster.netns import plan_network
+    from neuronabox.topology import graph
+
+    topo = topology_from_dict(VARIANTS[name], f"{name}.yaml")
+    eager = plan_network(topo, "t")
+    monkeypatch.setattr(graph, "EAGER_MAX_RANKS", 0)
+    assert ClusterGraph(topo).lazy
+    assert plan_network(topo, "t") == eager

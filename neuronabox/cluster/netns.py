@@ -575,8 +575,7 @@ def plan_network(topo, cluster: str, subnet: str = DEFAULT_SUBNET) -> NetworkPla
         for nb in topo.nodes:
             if na.index == nb.index:
                 continue
-            verts = g.route_vertices(na.first_rank, nb.first_rank)
-            net = [v for v in verts if gg.nodes[v]["kind"] in ("nic", "switch")]
+            net = g.network_route(na.first_rank, nb.first_rank)
             src, dst = node_addr[na.name], node_addr[nb.name]
             pair_links[(na.name, nb.name)] = [arc_link[(x, y)] for x, y in zip(net, net[1:])]
             l3 = [owner(net[0]).name]

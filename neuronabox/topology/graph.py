@@ -331,12 +331,24 @@ class ClusterGraph:
 
     def route_vertices(self, src: int, dst: int) -> list[str]:
         """The vertices a message from rank ``src`` to rank ``dst`` crosses, both ends included."""
+        if self.lazy:
+            self._need(self.topo.node_of(src))
+            self._need(self.topo.node_of(dst))
+        return self._vertices(src, dst)
+
+    def network_route(self, src: int, dst: int) -> list[str]:
+        """The NICs and switches a message from rank ``src`` to rank ``dst`` crosses (builds no rank of a lazy graph)."""
+        if self.lazy:
+            for node in (self.topo.node_of(src), self.topo.node_of(dst)):
+                if self._built[node.index] < 1:
+                    self._build_host(node)
+        return [v for v in self._vertices(src, dst)[1:-1] if self.g.nodes[v]["kind"] in ("nic", "switch")]
+
+    def _vertices(self, src: int, dst: int) -> list[str]:
+        """``route_vertices`` once the two nodes' hosts (and NICs) are built."""
         topo = self.topo
         a, b = self.rank_vertex[src], self.rank_vertex[dst]
         na, nb = topo.node_of(src), topo.node_of(dst)
-        if self.lazy:
-            self._need(na)
-            self._need(nb)
         if src == dst:
             return [a]
         if na.index == nb.index:
