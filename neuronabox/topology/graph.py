@@ -17,8 +17,8 @@ destination rank's NIC. On rail-optimized networks a rank whose NIC is on anothe
 the destination's first crosses the fabric to the NIC on the right rail (NCCL's PXN).
 
 Large worlds (more than ``EAGER_MAX_RANKS`` ranks) are built lazily: the switches and the links
-between them at once, a node's host, NICs, ranks and their links only when a route (or
-``materialize``) needs them. Vertices, arcs and routes are the same as an eager build's (arc
+between them at once, a node's host, NICs and uplinks when a route first enters it, and a rank
+and its links when a route starts or ends there (``materialize`` builds the rest). Vertices, arcs and routes are the same as an eager build's (arc
 ids are numbered in build order instead), so a 10 M-rank world costs what its switches and the
 few nodes asked about cost, not 10 M vertices. Rings and explicit links, whose NICs forward,
 build every host and NIC at once and only the ranks lazily.
@@ -85,7 +85,7 @@ class ClusterGraph:
         self.nic_rail: dict[str, int] = {}
         self.switches: list[str] = []
         self._attach: dict[str, str] = {}
-        # Per node: 0 nothing built, 1 host and NICs, 2 its ranks too.
+        # Per node: 0 nothing built, 1 host and NICs (and the ranks routes asked for), 2 every rank.
         self._built = bytearray(len(topo.nodes))
         self._uplinks = topo.network.type in _UPLINK_TYPES
         if not self.lazy:
@@ -157,28 +157,35 @@ class ClusterGraph:
 
     def _build_ranks(self, node) -> None:
         for local in range(node.ranks):
-            rank = node.first_rank + local
-            v = f"{node.name}/r{local}"
-            self._add_vertex(v, kind="rank", node=node.index, rank=rank, device=node.device)
-            # Half the rank-to-rank latency on each side of the hub.
-            self._add_link(v, node.name, "fabric", node.intra_bandwidth, node.intra_latency / 2)
-            self._add_link(v, self.rank_nic[rank], "pcie", UNLIMITED, 0.0)
+            self._build_rank(node, local)
         self._built[node.index] = 2
 
-    def _need(self, node) -> None:
-        """Build ``node`` (host, NICs, ranks) if a lazy build has not yet."""
-        if self._built[node.index] < 2:
+    def _build_rank(self, node, local: int) -> None:
+        rank = node.first_rank + local
+        v = f"{node.name}/r{local}"
+        self._add_vertex(v, kind="rank", node=node.index, rank=rank, device=node.device)
+        # Half the rank-to-rank latency on each side of the hub.
+        self._add_link(v, node.name, "fabric", node.intra_bandwidth, node.intra_latency / 2)
+        self._add_link(v, self.rank_nic[rank], "pcie", UNLIMITED, 0.0)
+
+    def _need(self, rank: int) -> None:
+        """Build ``rank`` (and its node's host and NICs) if a lazy build has not yet."""
+        node = self.topo.node_of(rank)
+        if self._built[node.index] < 2 and self.rank_vertex[rank] not in self.g:
             if self._built[node.index] < 1:
                 self._build_host(node)
-            self._build_ranks(node)
+            self._build_rank(node, rank - node.first_rank)
 
     def materialize(self, ranks: bool = True) -> None:
         """Build every node a lazy build left out (with ``ranks=False``: hosts and NICs only, what `nbox up` plans)."""
         for node in self.topo.nodes:
-            if ranks:
-                self._need(node)
-            elif self._built[node.index] < 1:
+            if self._built[node.index] < 1:
                 self._build_host(node)
+            if ranks and self._built[node.index] < 2:
+                for local in range(node.ranks):
+                    if f"{node.name}/r{local}" not in self.g:
+                        self._build_rank(node, local)
+                self._built[node.index] = 2
 
     def _uplink(self, node, nic: int) -> str:
         """The switch NIC ``nic`` of ``node`` plugs into (network types in ``_UPLINK_TYPES``)."""
@@ -332,8 +339,8 @@ class ClusterGraph:
     def route_vertices(self, src: int, dst: int) -> list[str]:
         """The vertices a message from rank ``src`` to rank ``dst`` crosses, both ends included."""
         if self.lazy:
-            self._need(self.topo.node_of(src))
-            self._need(self.topo.node_of(dst))
+            self._need(src)
+            self._need(dst)
         return self._vertices(src, dst)
 
     def network_route(self, src: int, dst: int) -> list[str]:
