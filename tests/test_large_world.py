@@ -188,3 +188,35 @@ def test_up_plans_the_same_network_from_a_lazy_graph(name, monkeypatch):
     monkeypatch.setattr(graph, "EAGER_MAX_RANKS", 0)
     assert ClusterGraph(topo).lazy
     assert plan_network(topo, "t") == eager
+
+
+@pytest.mark.parametrize("model", ["nccl", "alpha-beta"])
+def test_a_group_held_as_a_range_is_timed_as_its_tuple(model, monkeypatch):
+    from neuronabox.collectives import Op
+    from neuronabox.model import base
+
+    topo = load_topology(TOPOLOGIES / "dgx-h100-32.yaml")
+    groups = (range(256), range(3, 250), range(8, 16))
+    ops = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.BROADCAST, Op.ALL_TO_ALL, Op.SEND_RECV)
+
+    def answers():
+        m = create_model(topo, model)
+        assert all(isinstance(Group(g).ranks, range) for g in groups) == (base.RANGE_FROM <= 8)
+        return [(e.duration, e.algorithm, e.protocol, len(e.steps()))
+                for g in groups for op in ops for size in (1 << 12, 1 << 26) for e in [m.estimate(op, size, g, 1)]]
+
+    as_tuples = answers()
+    monkeypatch.setattr(base, "RANGE_FROM", 4)
+    assert answers() == as_tuples
+
+
+@pytest.mark.parametrize("model", ["nccl", "alpha-beta"])
+def test_the_first_all_reduce_of_a_ten_million_rank_world_builds_node_sized_tables(model):
+    from neuronabox.collectives import Op
+
+    topo = parse_topology(TEN_M, "ten-m.yaml")
+    m = create_model(topo, model)
+    est = m.estimate(Op.ALL_REDUCE, 1 << 26, m.world())
+    assert est.duration > 0 and isinstance(m.world().ranks, range)
+    # Hosts and NICs of every node, a rank a NIC and a few more: nowhere near a vertex per rank.
+    assert m.graph.g.number_of_nodes() <= 16 + 10_000 * (1 + 8 + 8 + 3)

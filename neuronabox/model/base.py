@@ -16,7 +16,7 @@ from ..collectives import Op
 from ..topology import Topology
 from ..topology.graph import ClusterGraph
 
-__all__ = ["Step", "Group", "Collective", "Estimate", "CommModel", "rank_sequence", "RANGE_FROM"]
+__all__ = ["Step", "Group", "Collective", "Estimate", "CommModel", "rank_sequence", "range_by_node", "RANGE_FROM"]
 
 # A group of at least this many ranks that is a run of consecutive ranks (the world, a node
 # block) is held as a ``range``: 10 M ranks are 360 MB as a tuple of ints. Smaller groups stay
@@ -44,6 +44,15 @@ class Step:
     dst: int  # global rank
     nbytes: float
     phase: str
+
+
+def range_by_node(ranks: range, topology: Topology) -> dict[int, range]:
+    """A run of consecutive ranks cut at node boundaries: node index -> its ranks of the run (one entry a node)."""
+    out: dict[int, range] = {}
+    for nd in range(topology.rank_node[ranks[0]], topology.rank_node[ranks[-1]] + 1):
+        node = topology.nodes[nd]
+        out[nd] = range(max(ranks.start, node.first_rank), min(ranks.stop, node.first_rank + node.ranks))
+    return out
 
 
 class Group:
