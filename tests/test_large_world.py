@@ -220,3 +220,14 @@ def test_the_first_all_reduce_of_a_ten_million_rank_world_builds_node_sized_tabl
     assert est.duration > 0 and isinstance(m.world().ranks, range)
     # Hosts and NICs of every node, a rank a NIC and a few more: nowhere near a vertex per rank.
     assert m.graph.g.number_of_nodes() <= 16 + 10_000 * (1 + 8 + 8 + 3)
+
+
+def test_the_slowest_of_a_range_is_read_per_node():
+    d = {**VARIANTS["cpu-8x3-switch"], "whatif": {"stragglers": {1: 2.0, 7: 3.0, 12: 0.5}}}
+    topo = topology_from_dict(d, "slow.yaml")
+    got = compute_factors(topo, 0)
+    for lo in range(topo.world_size):
+        for hi in range(lo + 1, topo.world_size + 1):
+            assert got.largest(range(lo, hi)) == max((got.get(r, 1.0) for r in range(lo, hi)), default=1.0), (lo, hi)
+    big = compute_factors(parse_topology(TEN_M, "ten-m.yaml"), 0)
+    assert big.largest(range(10_000_000)) == 1.0

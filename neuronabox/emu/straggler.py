@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 
 from ..collectives import Op
@@ -83,6 +83,21 @@ class RankFactors(Mapping):
     def __bool__(self) -> bool:
         return next(iter(self), None) is not None
 
+    def largest(self, ranks) -> float:
+        """The largest factor among ``ranks`` (1.0 when none is slower); a range is read per node, not per rank."""
+        if not isinstance(ranks, range) or self._dropped or not ranks:
+            return max((self.get(r, 1.0) for r in ranks), default=1.0)
+        topo = self._topo
+        listed = [r for r in self._listed if r in ranks]
+        listed_on = Counter(topo.rank_node[r] for r in listed)
+        best = max((self._listed[r] for r in listed), default=1.0)
+        for i in range(topo.rank_node[ranks[0]], topo.rank_node[ranks[-1]] + 1):
+            node = topo.nodes[i]
+            inside = min(ranks.stop, node.first_rank + node.ranks) - max(ranks.start, node.first_rank)
+            if inside > listed_on[i]:  # a rank of the node that is not listed: the node's own factor
+                best = max(best, self._node[i])
+        return max(1.0, best)
+
     def pop(self, rank: int, default=None):
         """Take ``rank`` out; its factor, or ``default`` when it had none above 1."""
         f = self.get(rank, default)
@@ -134,7 +149,9 @@ class ComputeSkew:
     def _factor(self, group: Group) -> float:
         f = self._group_factor.get(group)
         if f is None:
-            f = max((self.factors.get(r, 1.0) for r in group.ranks), default=1.0)
+            factors = self.factors
+            f = (factors.largest(group.ranks) if isinstance(factors, RankFactors)
+                 else max((factors.get(r, 1.0) for r in group.ranks), default=1.0))
             self._group_factor[group] = f
         return f
 
