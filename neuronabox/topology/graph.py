@@ -77,6 +77,9 @@ class ClusterGraph:
         self.lazy = topo.world_size > EAGER_MAX_RANKS if lazy is None else lazy
         self.g = nx.DiGraph()
         self._arcs: list[LinkInfo] = []
+        # (u, v) -> arc id: networkx's edge view is rebuilt after every added edge, so a lazy graph
+        # that grows between routes paid ~50 us a hop looking ids up through it.
+        self._arc_id: dict[tuple[str, str], int] = {}
         self._capacity: list[float] = []
         self._latency: list[float] = []
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
@@ -132,6 +135,7 @@ class ClusterGraph:
                 lat += self.topo.network.switch_latency * self._lat_scale
             arc = LinkInfo(len(self._arcs), u, v, kind, capacity, lat, jitter, loss, rate)
             self._arcs.append(arc)
+            self._arc_id[u, v] = arc.id
             self._capacity.append(capacity)
             self._latency.append(lat)
             self.g.add_edge(u, v, id=arc.id, kind=kind, capacity=capacity, rate=rate, latency=lat, jitter=jitter, loss=loss)
@@ -376,7 +380,8 @@ class ClusterGraph:
         hit = self._route_cache.get(key)
         if hit is None:
             verts = self.route_vertices(src, dst)
-            hit = tuple(self.g.edges[u, v]["id"] for u, v in zip(verts, verts[1:]))
+            arc_id = self._arc_id
+            hit = tuple(arc_id[u, v] for u, v in zip(verts, verts[1:]))
             self._route_cache[key] = hit
         return hit
 
