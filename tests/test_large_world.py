@@ -8,6 +8,7 @@ that the lazy build answers exactly as the eager one on small topologies (forced
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import yaml
@@ -231,3 +232,16 @@ def test_the_slowest_of_a_range_is_read_per_node():
             assert got.largest(range(lo, hi)) == max((got.get(r, 1.0) for r in range(lo, hi)), default=1.0), (lo, hi)
     big = compute_factors(parse_topology(TEN_M, "ten-m.yaml"), 0)
     assert big.largest(range(10_000_000)) == 1.0
+
+
+@pytest.mark.parametrize("runtime", ["netns", "docker"])
+def test_up_refuses_more_nodes_than_a_cluster_holds_in_one_line(runtime, tmp_path):
+    from neuronabox.cluster.netns import MAX_CLUSTER_NODES
+
+    path = tmp_path / "ten-m.yaml"
+    path.write_text(TEN_M)
+    r = run_nbox("up", str(path), "--runtime", runtime, "--name", "lwtoobig")
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, lines
+    assert str(path) in lines[0] and "10000 nodes" in lines[0] and str(MAX_CLUSTER_NODES) in lines[0]
+    assert not list(tmp_path.glob("*.json")) and not (Path("/run/neuronabox") / "lwtoobig").exists()
