@@ -35,7 +35,7 @@ def show(
     world_size: Optional[int] = WORLD_SIZE,
 ) -> None:
     """Summarize a topology; optionally draw it or print routes."""
-    from ..report.topology_view import route_table, summary_tables, write_dot, write_png
+    from ..report.topology_view import check_drawable, route_table, summary_tables, write_dot, write_png
     from ..topology.graph import ClusterGraph
 
     topo = load(topology, world_size=world_size)
@@ -46,6 +46,9 @@ def show(
             raise InputError(f"--route: expected SRC:DST ranks within 0-{topo.world_size - 1}, got {spec!r}")
         pairs.append((int(src), int(dst)))
     graph = ClusterGraph(topo)
+    for flag, wanted in (("--dot", dot), ("--png", png)):
+        if wanted:
+            check_drawable(graph, flag)
     for table in summary_tables(topo, graph):
         console.print(table)
     for src, dst in pairs:

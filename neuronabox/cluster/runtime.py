@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError, RunFailed
-from .netns import DEFAULT_SUBNET, Namespace, build_network, ns_pids, plan_network, remove_namespaces, wait_links_up
+from .netns import (DEFAULT_SUBNET, Namespace, build_network, check_cluster_size, ns_pids, plan_network,
+                    remove_namespaces, wait_links_up)
 from .relay import DEFAULT_PORT
 from .shaping import (
     LOSS_CHAIN,
@@ -154,6 +155,8 @@ def up(
         if not ok:
             notes.append(f"runtime auto: falling back to local ({why}); links are not shaped")
             say(notes[-1])
+    if runtime in ("netns", "docker"):
+        check_cluster_size(topo)  # before any state, lock or engine is touched
     if runtime == "docker":
         from .docker_runtime import up as docker_up
 

@@ -41,16 +41,16 @@ def stub_files(st: ClusterState, node: str) -> tuple[Path, Path]:
 
 def neighbour_nodes(topo, real_ranks=None) -> list[str]:
     """Nodes of the previous and next rank of every real rank (default: the topology's) in the world ring."""
-    order = sorted(range(topo.world_size), key=lambda r: (topo.rank_node[r], r))
-    n = len(order)
+    # A node's ranks are consecutive and nodes come in rank order: the ring (alpha-beta's, by
+    # node then rank) is rank order itself, so a rank's neighbours are r - 1 and r + 1.
+    n = topo.world_size
     out: list[str] = []
     if n < 2:
         return out
     for r in topo.emulation.real_ranks if real_ranks is None else real_ranks:
-        if r not in order:
+        if not 0 <= r < n:
             continue
-        i = order.index(r)
-        for nb in (order[(i - 1) % n], order[(i + 1) % n]):
+        for nb in ((r - 1) % n, (r + 1) % n):
             name = topo.node_of(nb).name
             if name not in out:
                 out.append(name)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import Op
-from ..model.base import Group
+from ..model.base import Group, rank_sequence
 from . import cuda_wait, start_gate
 from .emulator import Emulator, current
 from .group_table import TABLE
@@ -416,7 +416,7 @@ class NboxProcessGroup(dist.ProcessGroup):
         self._n = size
         self._me = rank
         self._emu = emulator
-        self.global_ranks: tuple[int, ...] = tuple(global_ranks)
+        self.global_ranks: tuple[int, ...] | range = rank_sequence(global_ranks)
         self.group = Group(self.global_ranks)
         self.timeline: Timeline = emulator.new_timeline(self.group)
         # Roles (roles.py): which group of the script this is, and whether its ops replay other roles.
@@ -948,10 +948,10 @@ def create_process_group(dist_opts, backend_opts=None) -> NboxProcessGroup:
     """The creator registered with torch (``extended_api=True``: it receives the group's global ranks)."""
     emu = current()
     size = dist_opts.group_size
-    ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
+    ranks = list(dist_opts.global_ranks_in_group) or range(size)
     if len(ranks) != size:
         raise RuntimeError(f"nbox: group of {size} ranks with {len(ranks)} global ranks")
-    if not ranks or max(ranks) >= emu.world_size:
+    if not ranks or (ranks[-1] if isinstance(ranks, range) else max(ranks)) >= emu.world_size:
         raise RuntimeError(f"nbox: group ranks {ranks[:8]} exceed the emulated world of {emu.world_size}")
     group = NboxProcessGroup(dist_opts.group_rank, size, ranks, emu)
     if group.table_index == 0:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..model.base import rank_sequence
+
 __all__ = ["GroupTable", "TABLE"]
 
 
@@ -18,19 +20,19 @@ class GroupTable:
     """The groups created so far (global ranks), and which one is being created now."""
 
     def __init__(self):
-        self.groups: list[tuple[int, ...]] = []
+        self.groups: list[tuple[int, ...] | range] = []  # a large run of consecutive ranks is a range
         self.creating: int | None = None  # the index of the group whose process group is being built
         self._of: dict[int, list[int]] = {}
 
     def add(self, ranks: Sequence[int]) -> int:
         """Record a new group; returns its index."""
-        self.groups.append(tuple(ranks))
+        self.groups.append(rank_sequence(ranks))
         self._of.clear()
         return len(self.groups) - 1
 
     def start_world(self, world_size: int) -> None:
         """The world group is created first (``init_process_group``); a new world starts a new table."""
-        self.groups = [tuple(range(world_size))]
+        self.groups = [rank_sequence(range(world_size))]
         self._of.clear()
         self.creating = 0
 

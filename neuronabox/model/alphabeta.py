@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from ..collectives import Op
 from . import schedules
-from .base import CommModel, Estimate, Group, Step
+from .base import CommModel, Estimate, Group, Step, range_by_node
 
 __all__ = ["AlphaBetaModel"]
 
@@ -47,7 +47,7 @@ class _Params:
     """Everything about a group that the closed forms need, derived once from the graph."""
 
     n: int
-    order: tuple[int, ...]  # ranks sorted by node
+    order: tuple[int, ...] | range  # ranks sorted by node (a large run of consecutive ranks stays a range)
     nodes: int
     g: int  # most ranks of the group on one node
     a_ring: float
@@ -61,6 +61,33 @@ class _Params:
     b_inter: float  # per local rank, for the hier inter-node phase
     reps: tuple[int, ...]  # the first rank of each node, in order
     p2p: tuple[float, float]  # latency, bandwidth from order[0] to order[1]
+
+
+def _by_node(ranks, topo) -> dict[int, "list[int] | range"]:
+    """A group's ranks by node, nodes in order of their ranks and each node's ranks ascending; a range's blocks are ranges."""
+    if isinstance(ranks, range) and ranks.step == 1:
+        return range_by_node(ranks, topo)
+    rank_node = topo.rank_node
+    by: dict[int, list[int]] = {}
+    for r in sorted(ranks, key=lambda r: (rank_node[r], r)):
+        by.setdefault(rank_node[r], []).append(r)
+    return by
+
+
+def _nic_classes(rs, topo) -> list[int]:
+    """The first rank of ``rs`` (one node's, ascending) on each of its NICs: a route's other end differs only by these."""
+    node = topo.node_of(rs[0])
+    nics, ranks, first = node.nics, node.ranks, node.first_rank
+    if isinstance(rs, range):  # local rank l is on NIC l * nics // ranks; NIC j starts at ceil(j * ranks / nics)
+        lo, hi = rs[0] - first, rs[-1] - first
+        return [first + max(lo, -(-j * ranks // nics)) for j in range(lo * nics // ranks, hi * nics // ranks + 1)]
+    out, last = [], None
+    for r in rs:
+        nic = (r - first) * nics // ranks
+        if nic != last:
+            out.append(r)
+            last = nic
+    return out
 
 
 def _log2(n: int) -> int:
@@ -236,11 +263,10 @@ class AlphaBetaModel(CommModel):
     def _derive(self, group: Group) -> _Params:
         topo, g = self.topology, self.graph
         rank_node = topo.rank_node
-        order = tuple(sorted(group.ranks, key=lambda r: (rank_node[r], r)))
+        per_node = _by_node(group.ranks, topo)
+        # Ranks sorted by node: a run of consecutive ranks already is (nodes hold consecutive ranks).
+        order = group.ranks if isinstance(group.ranks, range) else tuple(r for rs in per_node.values() for r in rs)
         n = len(order)
-        per_node: dict[int, list[int]] = {}
-        for r in order:
-            per_node.setdefault(rank_node[r], []).append(r)
         counts = {nd: len(rs) for nd, rs in per_node.items()}
         gmax = max(counts.values())
 
@@ -258,17 +284,27 @@ class AlphaBetaModel(CommModel):
             bw = g.route_bandwidth(src, dst)
             return bw if rank_node[src] == rank_node[dst] else bw * channels(src)
 
+        # The ring visits ``order``. Every pair of consecutive ranks on one node crosses that node's
+        # fabric alike (rank -> host -> rank), so one pair a node stands for them; the pairs across
+        # nodes are each node's last rank and the next node's first.
         a_ring, b_ring = 0.0, math.inf
         if n > 1:
-            for i in range(n):
-                src, dst = order[i], order[(i + 1) % n]
+            blocks = list(per_node.values())
+            pairs = [(rs[0], rs[1]) for rs in blocks if len(rs) > 1]
+            if len(blocks) > 1:
+                pairs += [(rs[-1], blocks[(i + 1) % len(blocks)][0]) for i, rs in enumerate(blocks)]
+            for src, dst in pairs:
                 a_ring = max(a_ring, g.route_latency(src, dst))
                 b_ring = min(b_ring, link_bw(src, dst))
 
-        reps = tuple(rs[0] for rs in per_node.values())
         first = order[0]
-        a_flat = max((g.route_latency(first, r) for r in order[1:]), default=0.0)
+        # From ``first`` a route differs only by the destination's node and NIC: one rank of each.
+        a_flat = max((g.route_latency(first, r) for rs in per_node.values() for r in _nic_classes(rs, topo)
+                      if r != first), default=0.0)
+        if n > 1 and len(per_node[rank_node[first]]) > 1:  # ``first``'s own node: its second rank
+            a_flat = max(a_flat, g.route_latency(first, per_node[rank_node[first]][1]))
         a_flat = max(a_flat, a_intra)
+        reps = tuple(rs[0] for rs in per_node.values())
         # Per-rank injection: a node's NIC capacity is shared by its ranks in the group.
         b_inter = math.inf
         for i, rep in enumerate(reps if len(reps) > 1 else ()):
@@ -351,7 +387,7 @@ class AlphaBetaModel(CommModel):
     def _steps(self, algo: str, op: Op, p: _Params, s: float) -> list[Step]:
         if op is Op.BARRIER:
             s = 0.0
-        n, order = p.n, p.order
+        n, order = p.n, tuple(p.order)  # a schedule names every rank anyway; schedules slice and join tuples
         if algo.startswith("hier-"):
             return self._hier_steps(algo[5:], op, p, s)
         a, b = (p.a_ring, p.b_ring) if algo == "ring" else (p.a_flat, p.b_flat)

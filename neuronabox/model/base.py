@@ -16,7 +16,22 @@ from ..collectives import Op
 from ..topology import Topology
 from ..topology.graph import ClusterGraph
 
-__all__ = ["Step", "Group", "Collective", "Estimate", "CommModel"]
+__all__ = ["Step", "Group", "Collective", "Estimate", "CommModel", "rank_sequence", "range_by_node", "RANGE_FROM"]
+
+# A group of at least this many ranks that is a run of consecutive ranks (the world, a node
+# block) is held as a ``range``: 10 M ranks are 360 MB as a tuple of ints. Smaller groups stay
+# tuples, as they always were.
+RANGE_FROM = 65_536
+
+
+def rank_sequence(ranks: Iterable[int]) -> "tuple[int, ...] | range":
+    """Ranks as a tuple, or as a ``range`` when they are ``RANGE_FROM`` or more consecutive ascending ranks."""
+    if isinstance(ranks, range) and ranks.step == 1 and len(ranks) >= RANGE_FROM:
+        return ranks
+    t = tuple(ranks)
+    if len(t) >= RANGE_FROM and t[-1] - t[0] == len(t) - 1 and all(b - a == 1 for a, b in zip(t, t[1:])):
+        return range(t[0], t[-1] + 1)
+    return t
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +46,22 @@ class Step:
     phase: str
 
 
+def range_by_node(ranks: range, topology: Topology) -> dict[int, range]:
+    """A run of consecutive ranks cut at node boundaries: node index -> its ranks of the run (one entry a node)."""
+    out: dict[int, range] = {}
+    for nd in range(topology.rank_node[ranks[0]], topology.rank_node[ranks[-1]] + 1):
+        node = topology.nodes[nd]
+        out[nd] = range(max(ranks.start, node.first_rank), min(ranks.stop, node.first_rank + node.ranks))
+    return out
+
+
 class Group:
-    """An ordered tuple of global ranks (a communicator); its hash is computed once."""
+    """An ordered tuple of global ranks (a communicator; a large run of consecutive ranks is a ``range``); its hash is computed once."""
 
     __slots__ = ("ranks", "_hash")
 
     def __init__(self, ranks: Iterable[int]):
-        self.ranks: tuple[int, ...] = tuple(ranks)
+        self.ranks: tuple[int, ...] | range = rank_sequence(ranks)
         if not self.ranks:
             raise ValueError("a group needs at least one rank")
         self._hash = hash(self.ranks)
@@ -58,7 +82,7 @@ class Group:
 
     def __repr__(self) -> str:
         if len(self.ranks) > 8:
-            return f"Group({self.ranks[:4]}...{self.ranks[-2:]}, n={len(self.ranks)})"
+            return f"Group({tuple(self.ranks[:4])}...{tuple(self.ranks[-2:])}, n={len(self.ranks)})"
         return f"Group({self.ranks})"
 
     @classmethod

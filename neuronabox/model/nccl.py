@@ -41,7 +41,7 @@ from ..errors import TopologyError
 from ..topology import Topology
 from ..topology.graph import ClusterGraph
 from . import hardware, schedules
-from .base import CommModel, Estimate, Group, Step
+from .base import CommModel, Estimate, Group, Step, range_by_node
 
 __all__ = ["NcclModel", "NCCL_RELEASE", "NCCL_SOURCE", "SUPPORTED_RELEASES"]
 
@@ -418,10 +418,13 @@ class NcclModel(CommModel):
     def _derive(self, group: Group) -> _GroupTables:
         topo, g, c = self.topology, self.graph, self.c
         ranks = group.ranks
-        by_node: dict[int, list[int]] = {}
-        for r in ranks:
-            by_node.setdefault(topo.rank_node[r], []).append(r)
-        node_ranks = tuple(tuple(v) for v in by_node.values())
+        if isinstance(ranks, range):  # a large run of consecutive ranks: one range a node, not a list
+            by_node: dict[int, list[int] | range] = range_by_node(ranks, topo)
+        else:
+            by_node = {}
+            for r in ranks:
+                by_node.setdefault(topo.rank_node[r], []).append(r)
+        node_ranks = tuple(v if isinstance(v, range) else tuple(v) for v in by_node.values())
         n_ranks, n_nodes = len(ranks), len(by_node)
         if n_ranks == 1:
             return _GroupTables({}, None, 1, 1, 1, 0, ranks, node_ranks)
@@ -434,7 +437,7 @@ class NcclModel(CommModel):
         ppn = n_ranks / n_nodes
         max_local = max(len(v) for v in node_ranks)
         # NCCL's ring visits a node's GPUs before leaving it; group order within nodes is kept.
-        ring_order = tuple(r for v in node_ranks for r in v)
+        ring_order = ranks if isinstance(ranks, range) else tuple(r for v in node_ranks for r in v)
 
         # Per-rank intra bandwidth (GB/s) and the nodes' NIC bandwidth, from the graph (what-ifs applied).
         intra_bps = min((g.route_bandwidth(v[0], v[1]) for v in node_ranks if len(v) > 1), default=math.inf)
@@ -473,7 +476,7 @@ class NcclModel(CommModel):
                 lat_inter_us = hw.launch_us + hw.base_us.Simple + hw.net_hop_us.Simple + lat_inter_s * 1e6
             p2p_intra_bps *= hw.efficiency.Simple
             p2p_nic_bps *= hw.efficiency.Simple
-        node_of = {r: topo.rank_node[r] for r in ranks}
+        node_of = topo.rank_node  # read for the group's ranks only: the topology's own map, not a copy per rank
         local_count = {topo.rank_node[v[0]]: len(v) for v in node_ranks}
         # Measured hardware: p2p spreads over every NIC of the node (PXN), more NICs than GPUs too.
         p2p_nics = min(nd.nics for nd in nodes) if hw is not None else nics
@@ -674,7 +677,7 @@ def _with_profile(c: dict, hw: "hardware.Section", intra_hw: int) -> dict:
 def _collective_steps(func: int, algo: int, nbytes: int, t: _GroupTables, root_rank: int, duration: float,
                       latency: float) -> list[Step]:
     n = t.n_ranks
-    order = t.ring_order
+    order = tuple(t.ring_order)  # a schedule names every rank anyway; schedules slice and join tuples
     if algo == RING:
         if func == _ALL_REDUCE:
             nsteps = 2 * (n - 1)

@@ -10,10 +10,11 @@ from pathlib import Path
 from rich.table import Table
 
 from ..topology import Topology
-from ..topology.graph import ClusterGraph
+from ..errors import InputError
+from ..topology.graph import EAGER_MAX_RANKS, ClusterGraph
 from ..units import format_bandwidth, format_duration
 
-__all__ = ["summary_tables", "route_table", "draw", "write_png", "write_dot"]
+__all__ = ["summary_tables", "route_table", "draw", "write_png", "write_dot", "check_drawable"]
 
 # Above this many vertices the drawing collapses each node's ranks and NICs into the host.
 _FULL_DRAWING_LIMIT = 160
@@ -32,8 +33,7 @@ def summary_tables(topo: Topology, graph: ClusterGraph) -> list[Table]:
     t.add_row("world size", f"{topo.world_size} ranks on {len(topo.nodes)} nodes")
     t.add_row("real ranks", ", ".join(map(str, em.real_ranks)))
     t.add_row("network", _network_line(topo))
-    links = list(graph.physical_links("net"))
-    t.add_row("links", f"{len(links)} network links, {len(graph.switches)} switches")
+    t.add_row("links", f"{graph.network_link_count()} network links, {len(graph.switches)} switches")
     t.add_row("library / model", f"{em.library} / {em.model} (algorithm {em.algorithm}, protocol {em.protocol})")
     knobs = []
     if wi.inject:
@@ -95,6 +95,13 @@ def route_table(graph: ClusterGraph, src: int, dst: int) -> Table:
         f"bottleneck {format_bandwidth(graph.route_bandwidth(src, dst))} of payload"
     )
     return t
+
+
+def check_drawable(graph: ClusterGraph, flag: str) -> None:
+    """Refuse (InputError) to draw a lazily built graph: every rank would become a vertex of the file."""
+    if graph.lazy:
+        raise InputError(f"{flag}: {graph.topo.world_size} ranks ({graph.vertex_count()} vertices) is too large "
+                         f"to draw; drawings hold at most {EAGER_MAX_RANKS} ranks (try --world-size {EAGER_MAX_RANKS})")
 
 
 def write_dot(graph: ClusterGraph, path: str | Path) -> None:

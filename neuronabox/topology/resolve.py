@@ -6,8 +6,10 @@ and the offending value, which is what the CLI prints before exiting with code 2
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
+import itertools
 import json
 import re
 import reprlib
@@ -21,7 +23,7 @@ from pydantic import ValidationError
 from ..errors import TopologyError
 from .schema import MAX_NODES, MAX_WORLD, NAME_PATTERN, FabricKind, LinkSpec, NodeOverride, TopologyFile
 
-__all__ = ["Node", "Topology", "load_topology", "load_yaml", "parse_topology", "topology_from_dict"]
+__all__ = ["Node", "RankNodes", "Topology", "load_topology", "load_yaml", "parse_topology", "topology_from_dict"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,51 @@ class Node:
         return range(self.first_rank, self.first_rank + self.ranks)
 
 
+class RankNodes:
+    """Rank -> node index, as a read-only sequence that holds one entry per node, not per rank.
+
+    A world of 10 M ranks would be a 10 M-entry tuple (80 MB, and seconds to build); the ranks of
+    a node are consecutive, so the node of a rank is found by bisecting the nodes' first ranks.
+    """
+
+    __slots__ = ("_firsts", "_world")
+
+    def __init__(self, firsts: tuple[int, ...], world: int):
+        self._firsts = firsts  # first rank of every node, ascending (nodes have at least one rank)
+        self._world = world
+
+    def __len__(self) -> int:
+        return self._world
+
+    def __getitem__(self, rank):
+        if isinstance(rank, slice):
+            return [self[r] for r in range(*rank.indices(self._world))]
+        if rank < 0:
+            rank += self._world
+        if not 0 <= rank < self._world:
+            raise IndexError(f"rank {rank} is outside the world of {self._world} ranks")
+        return bisect.bisect_right(self._firsts, rank) - 1
+
+    def __iter__(self):
+        firsts = self._firsts
+        for i, first in enumerate(firsts):
+            end = firsts[i + 1] if i + 1 < len(firsts) else self._world
+            yield from itertools.repeat(i, end - first)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RankNodes):
+            return self._world == other._world and self._firsts == other._firsts
+        if isinstance(other, (tuple, list)):
+            return len(other) == self._world and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._firsts, self._world))
+
+    def __repr__(self) -> str:
+        return f"RankNodes({len(self._firsts)} nodes, {self._world} ranks)"
+
+
 @dataclass(frozen=True)
 class Topology:
     """A validated topology with every default filled in and every node resolved."""
@@ -52,7 +99,7 @@ class Topology:
     spec: TopologyFile
     source: str
     nodes: tuple[Node, ...]
-    rank_node: tuple[int, ...]
+    rank_node: RankNodes
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -355,7 +402,7 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
         raise TopologyError(source, where, f"{world} ranks: at most {MAX_WORLD} ranks")
     default_nics = net.nics_per_node or (cl.ranks_per_node if net.type == "rail-optimized" else 1)
     nodes: list[Node] = []
-    rank_node: list[int] = []
+    first = 0
     for i, e in enumerate(entries):
         ranks = e.get("ranks", cl.ranks_per_node)
         intra = e.get("intra_node", spec.intra_node)
@@ -365,7 +412,7 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
                 index=i,
                 name=e["name"],
                 ranks=ranks,
-                first_rank=len(rank_node),
+                first_rank=first,
                 device=e.get("device", cl.device),
                 compute_slowdown=float(e.get("compute_slowdown", 1.0)),
                 nics=e.get("nics", default_nics),
@@ -374,8 +421,9 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
                 intra_latency=lat,
             )
         )
-        rank_node.extend([i] * ranks)
-    world = len(rank_node)
+        first += ranks
+    world = first
+    rank_node = RankNodes(tuple(n.first_rank for n in nodes), world)
 
     em = spec.emulation
     seen: set[int] = set()
@@ -394,7 +442,7 @@ def _resolve(spec: TopologyFile, source: str, raw: dict[str, Any]) -> Topology:
     _check_network(spec, nodes, source)
     if em.profile is not None:
         spec, raw = _with_absolute_profile(spec, source, raw)
-    return Topology(spec=spec, source=source, nodes=tuple(nodes), rank_node=tuple(rank_node), raw=raw)
+    return Topology(spec=spec, source=source, nodes=tuple(nodes), rank_node=rank_node, raw=raw)
 
 
 # The profile's own format string lives with its writer (fidelity.profile), above this layer:
