@@ -563,6 +563,11 @@ def exec_in(name: str, node: str, cmd: list[str], **kwargs) -> subprocess.Comple
     if not cmd:
         raise InputError("exec: no command given (nbox exec NODE -- CMD ...)")
     h = node_info(name, node)
+    if h["runtime"] == "docker":
+        from .docker_runtime import exec_in as docker_exec
+
+        # Inside the node's container, with its environment (the host's would be wrong there).
+        return docker_exec(name, h, cmd, env=kwargs.pop("env", {}), **kwargs)
     env = {**os.environ, **kwargs.pop("env", {}), "NBOX_CLUSTER": name, "NBOX_NODE": h["node"], "NBOX_NODE_ADDR": h["address"]}
     pre = Namespace(h["ns"]).preexec() if h.get("ns") else None
     try:
