@@ -181,6 +181,7 @@ def up(
             }, agent={"url": f"http://127.0.0.1:{ctx['agent_port']}"})
             say(f"rendered {len(rendered.files)} files into {project_dir}")
             _sdk_up(cl, st, rendered, say)
+            _wait_shaped(f"http://127.0.0.1:{ctx['agent_port']}", len(ctx["nodes"]), say)
             st.set(phase="up", up_seconds=time.perf_counter() - t0)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -288,14 +289,36 @@ def _sdk_up(client, st: ClusterState, rendered, say) -> None:
     def start(svc_name: str) -> None:
         client.containers.run(**service_kwargs(project, svc_name, spec["services"][svc_name], net_name, rendered.out_dir))
 
-    # The engine serialises little of a container's start: a few at once take 16 nodes well under 10 s.
+    # The agent first: it shapes each node as that node comes up, while the others start.
+    services = sorted(services, key=lambda svc: svc != "agent")
+    # The engine serialises little of a container's start: several at once.
     half = len(services) // 2
-    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="nbox-docker-up") as pool:
+    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="nbox-docker-up") as pool:
         for i, batch in enumerate((services[:half], services[half:])):
             for f in [pool.submit(start, svc) for svc in batch]:
                 f.result()
             if i == 0:
                 _fault_point("docker-containers")  # crash tests kill -9 `up` here, half the containers made
+
+
+def _wait_shaped(url: str, nodes: int, say, timeout: float = 60.0) -> None:
+    """Wait until the agent has found and shaped every node: `up` returns with the links as the topology says."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    health: dict = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                health = json.load(resp)
+            if health.get("errors"):
+                node, err = next(iter(health["errors"].items()))
+                raise RunFailed(f"--runtime docker: the agent could not shape {node}: {err}")
+            if len(health.get("nodes") or {}) == nodes:
+                return
+        time.sleep(0.1)
+    raise RunFailed(f"--runtime docker: the agent at {url} shaped {len(health.get('nodes') or {})} of {nodes} nodes "
+                    f"in {timeout:.0f} s (docker logs of the agent container say why)")
 
 
 def _startable(client, spec: dict, say) -> list[str]:
@@ -673,7 +696,8 @@ class DockerAgent:
         threading.Thread(target=httpd.serve_forever, daemon=True, name="nbox-docker-agent-http").start()
         try:
             # Nodes start in any order and may restart: keep looking for the ones not shaped.
-            while not stop.wait(0 if not self.pids else 2.0):
+            # Nodes start in any order: look often until all are shaped (up waits for that), then every 2 s.
+            while not stop.wait(0.1 if len(self.pids) < len(self.nodes) else 2.0):
                 self.discover()
         finally:
             httpd.shutdown()
