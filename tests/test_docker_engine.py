@@ -21,7 +21,7 @@ from neuronabox.cluster import docker_runtime as dr
 from neuronabox.cluster import images
 from neuronabox.errors import InputError
 
-from .conftest import private_cluster_state, run_nbox, switch_topology
+from .conftest import ROOT, private_cluster_state, run_nbox, switch_topology
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a Docker engine, qdiscs in containers)")]
@@ -160,6 +160,18 @@ def test_shape_changes_the_link_live_and_tcp_measures_it(cluster, docker_engine)
     ping = docker_engine.containers.get(a).exec_run(["ping", "-c", "5", "-i", "0.2", "-q", res.nodes[1]["address"]]).output
     avg_ms = float(ping.decode().rsplit("=", 1)[1].split("/")[1])
     assert avg_ms < 2.0, ping  # an unshaped-delay bridge: well under the 2 ms a netns switch test allows
+
+
+@pytest.mark.torch
+def test_the_node_container_runs_the_ddp_example_under_nbox_run(cluster, docker_engine):
+    """The real node's container: `nbox run` of the unmodified DDP example, as rank 0 of the topology."""
+    node0 = docker_engine.containers.get("nbox-dk-node0")
+    script = (ROOT / "examples" / "ddp_train.py").read_text()
+    node0.exec_run(["sh", "-c", f"mkdir -p /workspace && cat > /workspace/ddp_train.py << 'EOF'\n{script}\nEOF"])
+    r = run_nbox("exec", "node0", "--name", "dk", "--", "nbox", "run", "/nbox/topology.yaml", "--rank", "0", "--",
+                 "python3", "/workspace/ddp_train.py", "--steps", "3", "--width", "64", "--depth", "1")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "step" in r.stdout.lower() or "step" in r.stderr.lower(), r.stdout[-1000:]
 
 
 def test_down_leaves_nothing(built, state, docker_engine):
