@@ -265,7 +265,17 @@ def test_docker_runtime_up_without_engine_creates_nothing(no_engine, tmp_path, m
     assert not (tmp_path / "state").exists()
 
 
-# ---- up and down through a fake Docker SDK ------------------------------------------------------------
+def test_images_build_without_engine_is_one_line(no_engine, capsys):
+    rc, _, err = _nbox(["images", "build", "stub"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and str(no_engine) in err, err
+
+
+def test_images_build_of_an_unknown_image_is_one_line(no_engine, capsys):
+    rc, _, err = _nbox(["images", "build", "grafana"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "'grafana'" in err and "stub, node, prometheus" in err, err
+
+
+# ---- the SDK's arguments, from the rendered compose file ------------------------------------------------
 def test_gpu_request_reaches_the_sdk(tmp_path):
     res, spec = _render(tmp_path, ROOT / "topologies" / "paper-2x1-100g.yaml", gpus=1)
     kw = dr.service_kwargs("p", "node0", spec["services"]["node0"], "p-cluster", res.out_dir)

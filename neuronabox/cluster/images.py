@@ -21,6 +21,7 @@ removed on the way out.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -97,11 +98,20 @@ def _exists(client, ref: str) -> bool:
         return False
 
 
-def _run(cmd: list[str], what: str, **kw) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["(no output)"])[-1]
-        raise RunFailed(f"images build: {what} failed ({r.returncode}): {tail}")
+def _run(cmd: list[str], what: str) -> None:
+    """Run a build step; on an interrupt, stop it with SIGTERM so that it removes its own work folder."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate()
+    except BaseException:
+        # subprocess.run would SIGKILL it: mmdebstrap would leave its chroot in /tmp behind.
+        p.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(60)
+        raise
+    if p.returncode != 0:
+        tail = (err.strip().splitlines() or out.strip().splitlines() or ["(no output)"])[-1]
+        raise RunFailed(f"images build: {what} failed ({p.returncode}): {tail}")
 
 
 def _debian_rootfs(client, ref: str, packages: Sequence[str], changes: Sequence[str], work: Path, say) -> None:
