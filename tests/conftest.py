@@ -111,7 +111,11 @@ def private_cluster_state(tmp_path_factory, prefix: str):
 @pytest.fixture(scope="session")
 def docker_engine():
     """A Docker SDK client of an engine that answers: the one running, else a dockerd started here (as root)
-    and stopped at the end of the session. Skips when neither is possible."""
+    and stopped at the end of the session. Skips when neither is possible.
+
+    dockerd keeps its iptables as it found them working: FORWARD policy DROP and its DOCKER chains stay
+    after it stops (dockerd's own doing, as on any host that ran it); the netns runtime's tests pass
+    with them, since its forwarding happens inside its own namespaces, whose iptables are their own."""
     import shutil
     import signal
     import tempfile

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,24 +207,23 @@ def build(
         raise InputError("images build: needs the neuronabox source checkout (pyproject.toml next to the package)")
     client = client or engine_client()
     src_hash = _tree_hash(root / "neuronabox") + _hash((root / "pyproject.toml").read_text())
-    base_ref = None
+    # The base's name is known before it exists: the wheels are staged while it is being made.
+    base_ref = (f"neuronabox/base:{_hash('from', base_image, BASE_PACKAGES)}" if base_image
+                else f"neuronabox/base:{_hash(SUITE, MIRROR, BASE_PACKAGES, _EXCLUDES, 'v1')}")
+    base_lock = threading.Lock()
     with tempfile.TemporaryDirectory(prefix="nbox-images-") as tmp:
         work = Path(tmp)
 
         def base() -> str:
-            nonlocal base_ref
-            if base_ref:
-                return base_ref
-            if base_image:
-                # Someone else's base (CUDA): the same Debian/Ubuntu packages, by apt, in a layer of ours.
-                base_ref = f"neuronabox/base:{_hash('from', base_image, BASE_PACKAGES)}"
-                if not _exists(client, base_ref):
+            with base_lock:  # stub and node share it: made once
+                if _exists(client, base_ref):
+                    return base_ref
+                if base_image:
+                    # Someone else's base (CUDA): the same Debian/Ubuntu packages, by apt, in a layer of ours.
                     _docker_build(client, base_ref, f"FROM {base_image}\nRUN apt-get update && DEBIAN_FRONTEND="
                                   f"noninteractive apt-get install -y --no-install-recommends {' '.join(BASE_PACKAGES)}"
                                   " && rm -rf /var/lib/apt/lists/*\n", {}, work, {"nbox.base": base_image}, say)
-            else:
-                base_ref = f"neuronabox/base:{_hash(SUITE, MIRROR, BASE_PACKAGES, _EXCLUDES, 'v1')}"
-                if not _exists(client, base_ref):
+                else:
                     _debian_rootfs(client, base_ref, BASE_PACKAGES, [], work, say)
             return base_ref
 
@@ -239,15 +239,14 @@ def build(
                         'CMD ["--config.file=/etc/prometheus/prometheus.yml"]', "USER prometheus"], work, say)
             else:
                 reqs = STUB_REQUIREMENTS if name == "stub" else (*_project_requirements(root), torch)
-                b = base()
-                deps = f"neuronabox/{name}-deps:{_hash(b, reqs, python_version, SITE)}"
+                deps = f"neuronabox/{name}-deps:{_hash(base_ref, reqs, python_version, SITE)}"
                 if not _exists(client, deps):
                     site = work / f"deps-{name}"
                     _pip_target(site, reqs, python_version, say)
                     # neuronabox itself goes into the top layer: the deps layer stays cached across edits.
                     for p in site.glob("neuronabox*"):
                         shutil.rmtree(p) if p.is_dir() else p.unlink()
-                    _docker_build(client, deps, f"FROM {b}\nCOPY site {SITE}/\n", {"site": site}, work,
+                    _docker_build(client, deps, f"FROM {base()}\nCOPY site {SITE}/\n", {"site": site}, work,
                                   {"nbox.layer": "deps"}, say)
                 key = f"neuronabox/{name}:{_hash(deps, src_hash, _NBOX_SCRIPT)}"
                 cached = _exists(client, key)
@@ -267,12 +266,8 @@ def build(
             say(f"{ref}: {'cached' if cached else 'built'} ({img.attrs.get('Size', 0) / 1e6:.0f} MB)")
             return Built(name, ref, cached, int(img.attrs.get("Size", 0)), time.perf_counter() - t0)
 
-        # Prometheus's rootfs shares nothing with the others: made alongside them, the cold build
-        # takes the longer of the two instead of their sum (mostly waiting on the Debian mirror).
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="nbox-images") as pool:
-            side = pool.submit(one, "prometheus") if "prometheus" in which else None
-            done = {n: one(n) for n in which if n != "prometheus"}
-            if side is not None:
-                done["prometheus"] = side.result()
-        out = [done[n] for n in which]
+        # All at once: a cold build is mostly waiting (on the Debian mirror, on the engine), and
+        # the wheels of stub and node are staged while the base is being made.
+        with ThreadPoolExecutor(max_workers=max(1, len(which)), thread_name_prefix="nbox-images") as pool:
+            out = list(pool.map(one, which))
     return out
