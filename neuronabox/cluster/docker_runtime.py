@@ -497,6 +497,7 @@ class DockerAgent:
         self.shapes = {n["name"]: LinkShape(**n["shape"]) for n in config["nodes"]}
         self.proc = proc
         self.pids: dict[str, int] = {}
+        self.pending: dict[str, int] = {}  # found, being shaped
         self.netem = False
         self.errors: dict[str, str] = {}
         self.port: int | None = None
@@ -509,7 +510,7 @@ class DockerAgent:
         from .netns import Namespace
 
         ns = Namespace(f"docker-{node}")
-        ns.path = f"{self.proc}/{self.pids[node]}/ns/net"
+        ns.path = f"{self.proc}/{self.pids.get(node) or self.pending[node]}/ns/net"
         return ns
 
     def _apply(self, node: str, change: bool) -> None:
@@ -540,15 +541,19 @@ class DockerAgent:
         found = find_node_pids(self.cluster, missing, self.proc)
         done = []
         with self.lock:
-            self.pids = {**alive, **found}
-            for node in found:
+            # A node enters `pids` (what /health lists, and what `up` waits for) once it is shaped.
+            self.pids = dict(alive)
+            for node, pid in found.items():
+                self.pending[node] = pid
                 try:
                     self.nl.submit(self._apply, node, False).result()
+                    self.pids[node] = pid
                     self.errors.pop(node, None)
                     done.append(node)
                 except Exception as exc:  # noqa: BLE001 - report per node, keep serving the rest
                     self.errors[node] = f"{type(exc).__name__}: {exc}"
-                    self.pids.pop(node, None)
+                finally:
+                    self.pending.pop(node, None)
         return done
 
     def set_node(self, node: str, changes: dict[str, float]) -> dict:

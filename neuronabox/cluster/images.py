@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -162,6 +163,35 @@ def _docker_build(client, ref: str, dockerfile: str, files: dict[str, Path], wor
         shutil.rmtree(ctx, ignore_errors=True)
 
 
+def _add_layer(client, parent: str, ref: str, files: dict[str, Path], changes: Sequence[str], say) -> None:
+    """Image ``ref``: ``parent`` with the host folders ``files`` (image path -> host path) put in, one layer.
+
+    A container's archive upload and a commit: a third of the time ``docker build``'s COPY took for
+    torch's gigabyte here (the build context is written once more, then copied, then committed)."""
+    say(f"adding {', '.join(files)} to {parent} as {ref}")
+    r, w = os.pipe()
+
+    def produce() -> None:
+        with os.fdopen(w, "wb") as f, tarfile.open(fileobj=f, mode="w|") as tar:
+            for dest, src in files.items():
+                tar.add(str(src), arcname=dest.lstrip("/"))
+
+    def chunks():
+        with os.fdopen(r, "rb") as f:
+            while chunk := f.read(1 << 20):
+                yield chunk
+
+    container = client.containers.create(parent, ["true"], labels={"nbox.build": ref})
+    try:
+        threading.Thread(target=produce, daemon=True, name="nbox-layer-tar").start()
+        container.put_archive("/", chunks())
+        repo, tag = ref.rsplit(":", 1)
+        container.commit(repo, tag, changes=list(changes))
+    finally:
+        # Also on an interrupt: the staging container never outlives the build.
+        container.remove(force=True)
+
+
 def _project_requirements(root: Path) -> list[str]:
     """neuronabox's own dependencies (no extras), as the installed checkout declares them."""
     from importlib.metadata import requires
@@ -239,28 +269,27 @@ def build(
                         'CMD ["--config.file=/etc/prometheus/prometheus.yml"]', "USER prometheus"], work, say)
             else:
                 reqs = STUB_REQUIREMENTS if name == "stub" else (*_project_requirements(root), torch)
-                deps = f"neuronabox/{name}-deps:{_hash(base_ref, reqs, python_version, SITE)}"
+                deps = f"neuronabox/{name}-deps:{_hash(base_ref, reqs, python_version, SITE, 'v2')}"
                 if not _exists(client, deps):
                     site = work / f"deps-{name}"
                     _pip_target(site, reqs, python_version, say)
                     # neuronabox itself goes into the top layer: the deps layer stays cached across edits.
                     for p in site.glob("neuronabox*"):
                         shutil.rmtree(p) if p.is_dir() else p.unlink()
-                    _docker_build(client, deps, f"FROM {base()}\nCOPY site {SITE}/\n", {"site": site}, work,
-                                  {"nbox.layer": "deps"}, say)
+                    _add_layer(client, base(), deps, {SITE: site}, ['CMD ["python3"]', "LABEL nbox.layer=deps"], say)
                 key = f"neuronabox/{name}:{_hash(deps, src_hash, _NBOX_SCRIPT)}"
                 cached = _exists(client, key)
                 if not cached:
                     site = work / f"nbox-{name}"
                     _pip_target(site, ["--no-deps", str(root)], python_version, say, binary_only=False)
                     script = work / f"nbox-script-{name}"
-                    script.mkdir()
-                    (script / "nbox").write_text(_NBOX_SCRIPT)
+                    script.write_text(_NBOX_SCRIPT)
+                    script.chmod(0o755)
                     cmd = ('["python3", "-m", "neuronabox.cluster.docker_runtime", "agent", "--help"]' if name == "stub"
                            else '["nbox", "doctor"]')
-                    _docker_build(client, key, f"FROM {deps}\nCOPY site {SITE}/\nCOPY bin /usr/local/bin/\n"
-                                  f"RUN chmod 755 /usr/local/bin/nbox\nENV PYTHONUNBUFFERED=1\nCMD {cmd}\n",
-                                  {"site": site, "bin": script}, work, {"nbox.layer": "neuronabox", "nbox.source": src_hash}, say)
+                    _add_layer(client, deps, key, {SITE: site, "/usr/local/bin/nbox": script},
+                               ["ENV PYTHONUNBUFFERED=1", f"CMD {cmd}", "LABEL nbox.layer=neuronabox",
+                                f"LABEL nbox.source={src_hash}"], say)
             img = client.images.get(key)
             img.tag(*ref.rsplit(":", 1))
             say(f"{ref}: {'cached' if cached else 'built'} ({img.attrs.get('Size', 0) / 1e6:.0f} MB)")
