@@ -8,15 +8,17 @@ made again (a second ``build`` takes seconds):
    iptables, ping, ps) and ``docker import``-ed; or the image the user names (``--base-image``,
    e.g. an NVIDIA CUDA image for a GPU node), completed with the same Debian packages by apt;
 2. the **dependencies**: the Python packages the image needs, installed on the host by pip
-   (``pip install --target`` for the image's Python, wheels only) and copied in; the stub image
+   (``pip install --target`` for the image's Python, wheels only) and put into a container of
+   the layer below, which is committed (``_add_layer``); the stub image
    carries no torch, the node image adds torch (the CPU wheel unless ``--torch`` names another);
 3. **neuronabox** itself, from this checkout (``pip install --no-deps``), and an ``nbox`` script.
 
 ``prometheus`` is a rootfs of Debian's own ``prometheus`` package (no registry image).
 
+All images are made at once (a cold build mostly waits on the Debian mirror and the engine).
 The engine is reached through the Docker SDK only (``docker_runtime.client``). A build that is
-interrupted leaves no tag: each tag is set by the engine's last step, and the staging folder is
-removed on the way out.
+interrupted leaves no tag: each tag is set by the engine's last step; the staging container,
+the staging folder and mmdebstrap's chroot are removed on the way out.
 """
 
 from __future__ import annotations
