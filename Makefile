@@ -23,12 +23,17 @@ demo: venv
 		-- $(BIN)/python examples/ddp_train.py --steps 30
 
 # Root tests need iptables (the user-space delay relay, loss) and ping; the metrics test needs a real
-# Prometheus server (Debian's, with promtool). Install them as root when missing.
+# Prometheus server (Debian's, with promtool); the docker runtime's tests need a Docker engine, Debian's
+# docker-compose (1.29) and mmdebstrap (its images come from Debian packages: no registry here).
+# Install them as root when missing. The tests start dockerd themselves when none answers and stop
+# the one they started (tests/conftest.py, docker_engine).
 sysdeps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		! { command -v iptables && command -v ping && command -v prometheus && command -v promtool; } >/dev/null; then \
-		echo "installing iptables, ping and prometheus for the tests"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iputils-ping prometheus >/dev/null; \
+		! { command -v iptables && command -v ping && command -v prometheus && command -v promtool && \
+		    command -v dockerd && command -v docker-compose && command -v mmdebstrap; } >/dev/null; then \
+		echo "installing iptables, ping, prometheus, docker.io, docker-compose and mmdebstrap for the tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iputils-ping prometheus \
+			docker.io docker-compose mmdebstrap >/dev/null; \
 	fi
 
 test: venv sysdeps

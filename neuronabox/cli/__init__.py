@@ -52,7 +52,7 @@ WORLD_SIZE = typer.Option(None, "--world-size", help="Grow or shrink the cluster
 
 # Verb modules register their commands on `app` when imported.
 from . import cluster_cmds, compose_cmds, fidelity_cmds, model_cmds, report_cmds, run_cmd  # noqa: E402,F401
-from . import deploy_cmds, profile_cmd  # noqa: E402,F401
+from . import deploy_cmds, image_cmds, profile_cmd  # noqa: E402,F401
 
 
 # Signals that end nbox the way the default action would, but through every ``finally``.

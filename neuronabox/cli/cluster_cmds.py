@@ -81,7 +81,8 @@ def _print_mechanisms(links: list[dict]) -> None:
     for col in ("link", "rate", "delay", "loss", "rate by", "delay by", "loss by"):
         t.add_column(col)
     for lk in links[:40]:
-        ab, m = lk["ab"], lk["mechanisms"]
+        # A netns link shows its a->b direction; a docker node's link (its eth0 egress) has one shape.
+        ab, m = lk.get("ab") or lk["shape"], lk["mechanisms"]
         t.add_row(lk["name"], format_bandwidth(ab["rate"]) if ab["rate"] else "-", format_duration(ab["delay"]) if ab["delay"] else "-",
                   f"{ab['loss']:.3%}" if ab["loss"] else "-", m["rate"], m["delay"], m["loss"])
     console.print(t)
@@ -98,7 +99,10 @@ def down_cmd(name: Optional[str] = typer.Argument(None, help="Cluster name (defa
 
     for n in (list_clusters() if all_ else [_pick(name)]):
         r = down(n, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
-        console.print(f"cluster {n}: removed {r['namespaces']} namespaces, ended {r['processes']} processes")
+        if "containers" in r:  # the docker runtime's objects
+            console.print(f"cluster {n}: removed {r['containers']} containers, {r['networks']} networks")
+        else:
+            console.print(f"cluster {n}: removed {r['namespaces']} namespaces, ended {r['processes']} processes")
 
 
 @app.command("status")

@@ -22,7 +22,7 @@ def compose_cmd(
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Cluster name (default: the topology's)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs reserved for the real node (default: 1 on a GPU topology, else 0)."),
     rank: Optional[int] = typer.Option(None, "--rank", help="Which rank is real (default: the topology's first real rank)."),
-    image_tag: str = typer.Option("latest", "--image-tag", help="Tag of the neuronabox/node and neuronabox/stub images."),
+    image_tag: str = typer.Option("latest", "--image-tag", help="Tag of the neuronabox/{node,stub,prometheus} images."),
     subnet: str = typer.Option("10.77.0.0/16", "--subnet", help="Address range of the cluster network."),
     templates: Optional[Path] = typer.Option(None, "--templates", help="Template folder (default: compose-templates/)."),
 ) -> None:
@@ -42,6 +42,7 @@ def compose_cmd(
         console.print(f"wrote {output / rel}")
     console.print(
         f"compose project {ctx['project_name']}: real node {ctx['real_node']['service']} "
-        f"({ctx['gpus']} GPU{'s' if ctx['gpus'] != 1 else ''}), {len(ctx['stubs'])} stubs, agent, prometheus, grafana; "
-        f"run it with: docker compose -f {res.compose_file} up -d"
+        f"({ctx['gpus']} GPU{'s' if ctx['gpus'] != 1 else ''}), {len(ctx['stubs'])} stubs, agent, prometheus "
+        f"(grafana with --profile grafana); images: nbox images build; run it with: "
+        f"cd {output} && docker-compose up -d (or docker compose up -d)"
     )

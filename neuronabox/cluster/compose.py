@@ -32,7 +32,7 @@ fails to render, so a typo cannot produce a silently broken project):
                         the real rank's exporter (job ``nbox-run``) and the agent (``nbox-agent``)
 - ``network``           ``{name, subnet, gateway}`` of the one bridge network
 - ``prometheus_address``, ``grafana_address``  their fixed addresses on that network
-- ``images``            ``{node, stub}`` image references; ``build`` ``{context, node, stub}``
+- ``images``            ``{node, stub, prometheus}`` image references (``nbox images build``); ``build`` ``{context, node, stub}``
                         (Dockerfiles relative to the context) or None when the repository is absent
 - ``gpus``              GPUs reserved for the real node (0: no reservation)
 - ``real_command``      the real node's command (a list): the training command under ``nbox run``
@@ -218,7 +218,7 @@ def compose_context(
             n["command"] = _dollars(list(stub_command))
         else:
             # The wire-mode stub peer (cluster/stub.py) keeps its control socket in the state directory.
-            n["command"] = _dollars(["sh", "-c", f"mkdir -p {STUB_STATE_DIR}/{name} && exec python -m neuronabox.cluster.stub "
+            n["command"] = _dollars(["sh", "-c", f"mkdir -p {STUB_STATE_DIR}/{name} && exec python3 -m neuronabox.cluster.stub "
                                      f"--name {name} --node {shlex.quote(n['name'])} --address {n['address']}"])
     agent_addr = str(net.network_address + AGENT_HOST)
     root = repo_root()
@@ -249,7 +249,8 @@ def compose_context(
         "network": {"name": "cluster", "subnet": str(net), "gateway": str(net.network_address + GATEWAY_HOST)},
         "prometheus_address": str(net.network_address + PROMETHEUS_HOST),
         "grafana_address": str(net.network_address + GRAFANA_HOST),
-        "images": {"node": f"neuronabox/node:{image_tag}", "stub": f"neuronabox/stub:{image_tag}"},
+        "images": {"node": f"neuronabox/node:{image_tag}", "stub": f"neuronabox/stub:{image_tag}",
+                   "prometheus": f"neuronabox/prometheus:{image_tag}"},
         "build": {"context": str(root), "node": "docker/Dockerfile.node", "stub": "docker/Dockerfile.stub"} if root else None,
         "gpus": gpus,
         "real_command": real_command,
@@ -337,6 +338,9 @@ def _support_files(topo, out: Path, ctx: dict[str, Any]) -> list[str]:
     from ..emu.runner import _jsonable
 
     files = []
+    # The project's name for docker-compose 1.29 and v2 alike (1.29 refuses a top-level `name:`).
+    (out / ".env").write_text(f"COMPOSE_PROJECT_NAME={ctx['project_name']}\n", encoding="utf-8")
+    files.append(".env")
     (out / "topology.yaml").write_text(yaml.safe_dump(_jsonable(topo.raw), sort_keys=False), encoding="utf-8")
     files.append("topology.yaml")
     (out / "nbox").mkdir(exist_ok=True)

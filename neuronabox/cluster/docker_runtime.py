@@ -1,9 +1,11 @@
 """The docker runtime of ``nbox up``: the compose project of ``compose.py``, run by a Docker engine.
 
-Host side (``up``, ``down``, ``status``): the project is rendered into the cluster's state
-directory (``<state>/<name>/compose/``) and brought up with ``docker compose`` when that CLI
-plugin answers, else through the Docker SDK (``pip install 'neuronabox[docker]'``, imported
-lazily), which creates the same network and containers from the rendered compose file. As
+Host side (``up``, ``down``, ``status``, ``exec_in``): the project is rendered into the cluster's
+state directory (``<state>/<name>/compose/``) and brought up through the Docker SDK
+(``pip install 'neuronabox[docker]'``, imported lazily), the one way neuronabox talks to the
+engine (``client()``), which creates the network and containers of the rendered compose file.
+Its images come from ``nbox images build`` (``images.py``); ``docker-compose``/``docker compose``
+run the same rendered project by hand (``nbox compose``). As
 for the other runtimes, the state file names every object before it is created (the
 ``docker`` field: driver, project, networks, containers) and every object carries the label
 ``nbox.cluster=<name>``, so ``down`` removes everything after a crash or a ``kill -9`` of
@@ -38,7 +40,8 @@ from ..errors import InputError, RunFailed
 from .state import ClusterState, default_name, valid_name
 from .steering import steer_flows, steering
 
-__all__ = ["up", "down", "status", "engine_or_fail", "engine_answers", "docker_sdk", "compose_cli", "DockerAgent", "main"]
+__all__ = ["up", "down", "status", "exec_in", "client", "engine_or_fail", "engine_answers", "docker_sdk", "DockerAgent",
+           "main"]
 
 LABEL = "nbox.cluster"
 
@@ -87,24 +90,13 @@ def engine_or_fail() -> str:
     return detail
 
 
-def compose_cli() -> list[str] | None:
-    """The ``docker compose`` command when the CLI plugin answers, else None."""
-    exe = shutil.which("docker")
-    if not exe:
-        return None
-    try:
-        r = subprocess.run([exe, "compose", "version"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return [exe, "compose"] if r.returncode == 0 else None
-
-
-def _sdk():
+def client(timeout: int = 120):
+    """A Docker SDK client of an engine that answers; InputError (one line) for no SDK or no engine."""
     sdk = docker_sdk()
     if sdk is None:
-        raise InputError("--runtime docker: neither `docker compose` nor the Docker SDK is installed "
-                         "(pip install 'neuronabox[docker]')")
-    return sdk.from_env(timeout=120)
+        raise InputError("--runtime docker: the Docker SDK is not installed (pip install 'neuronabox[docker]')")
+    engine_or_fail()
+    return sdk.from_env(timeout=timeout)
 
 
 def _client(timeout: int = 30):
@@ -116,6 +108,20 @@ def _client(timeout: int = 30):
         return sdk.from_env(timeout=timeout)
     except Exception:  # noqa: BLE001 - no engine: callers work from the state file alone
         return None
+
+
+def _overlapping_network(client, subnet: str) -> str | None:
+    """The name and range of an engine network whose subnet overlaps ``subnet``, or None."""
+    import ipaddress
+
+    want = ipaddress.ip_network(subnet, strict=False)
+    for net in client.networks.list():
+        for cfg in ((net.attrs.get("IPAM") or {}).get("Config") or []):
+            with contextlib.suppress(ValueError, TypeError):
+                other = ipaddress.ip_network(cfg.get("Subnet"), strict=False)
+                if other.version == want.version and other.overlaps(want):
+                    return f"{net.name} ({other})"
+    return None
 
 
 # ---- up -----------------------------------------------------------------------------------------
@@ -139,8 +145,7 @@ def up(
     say = progress or (lambda msg: None)
     # Before anything is written: no engine, no state file, nothing to take back.
     host = engine_or_fail()
-    cli = compose_cli()
-    client = None if cli else _sdk()
+    cl = client()
     t0 = time.perf_counter()
     st = ClusterState(name)
     with st.locked():
@@ -148,7 +153,7 @@ def up(
             if st.get("runtime") != "docker":
                 raise InputError(f"cluster {name!r} exists with runtime {st.get('runtime')!r}; "
                                  f"run `nbox down {name}` first or pick another --name")
-            if st.get("phase") == "up" and _running(st, cli, client):
+            if st.get("phase") == "up" and _running(st, cl):
                 if st.get("topology_name") != topo.name:
                     raise InputError(f"cluster {name!r} is already up with topology {st.get('topology_name')!r}; "
                                      f"run `nbox down {name}` first or pick another --name")
@@ -161,7 +166,7 @@ def up(
             st.set(
                 phase="creating", runtime="docker", topology=str(topo.source), topology_name=topo.name,
                 created=time.time(), pid=os.getpid(), docker_host=host,
-                docker={"driver": "compose" if cli else "sdk", "project": None, "dir": str(project_dir),
+                docker={"driver": "sdk", "project": None, "dir": str(project_dir),
                         "networks": [], "containers": []},
             )
             rendered = render_compose(topo, project_dir, name=name, image_tag=image_tag, command=command, gpus=gpus,
@@ -175,10 +180,8 @@ def up(
                 "links": [],
             }, agent={"url": f"http://127.0.0.1:{ctx['agent_port']}"})
             say(f"rendered {len(rendered.files)} files into {project_dir}")
-            if cli:
-                _compose(cli, st, ["up", "-d", "--build"], say)
-            else:
-                _sdk_up(client, st, rendered, say)
+            _sdk_up(cl, st, rendered, say)
+            _wait_shaped(f"http://127.0.0.1:{ctx['agent_port']}", len(ctx["nodes"]), say)
             st.set(phase="up", up_seconds=time.perf_counter() - t0)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -188,17 +191,6 @@ def up(
             if not st.path.exists():
                 st.remove_files()
     return _result(st, seconds=time.perf_counter() - t0)
-
-
-def _compose(cli: list[str], st: ClusterState, args: list[str], say, check: bool = True) -> subprocess.CompletedProcess:
-    d = st["docker"]
-    cmd = [*cli, "-p", d["project"], "-f", str(Path(d["dir"]) / "compose.yaml"), *args]
-    say(" ".join(cmd))
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if check and r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RunFailed(f"docker compose {args[0]} failed ({r.returncode}): {tail}")
-    return r
 
 
 def _abs_volume(spec: str, base: Path) -> str:
@@ -256,6 +248,11 @@ def service_kwargs(project: str, svc_name: str, svc: dict, net_name: str, base: 
     return kw
 
 
+# Services the runtime starts without their image: none. Grafana is rendered for `docker compose`
+# users who can pull it; no Debian package carries it, so `nbox images build` cannot make it.
+OPTIONAL_SERVICES = ("grafana",)
+
+
 def _sdk_up(client, st: ClusterState, rendered, say) -> None:
     import yaml
 
@@ -263,41 +260,83 @@ def _sdk_up(client, st: ClusterState, rendered, say) -> None:
     project = st["docker"]["project"]
     netspec = spec["networks"]["cluster"]
     net_name = netspec.get("name", f"{project}-cluster")
-    _ensure_images(client, spec, say)
-    st.data["docker"]["networks"].append(net_name)
-    st.save()
+    services = _startable(client, spec, say)
     ipam = netspec.get("ipam", {}).get("config", [{}])[0]
+    # Clashes are the user's to settle (exit 2), found before anything is made.
+    clash = _overlapping_network(client, ipam.get("subnet"))
+    if clash:
+        raise InputError(f"--subnet {ipam.get('subnet')}: overlaps the docker network {clash}; "
+                         f"pick another --subnet or remove that network")
+    names = {svc_name: f"{project}-{svc_name}" for svc_name in services}
+    from docker.errors import NotFound
+
+    for cname in names.values():
+        with contextlib.suppress(NotFound):
+            other = client.containers.get(cname)
+            raise InputError(f"--name {st.name}: a container named {cname!r} already exists "
+                             f"(not this cluster's: {other.labels.get(LABEL, 'no nbox label')}); "
+                             f"remove it or pick another --name")
+    st.data["docker"]["networks"].append(net_name)
+    st.data["docker"]["containers"] = list(names.values())
+    st.save()
     client.networks.create(
         net_name, driver="bridge", labels={LABEL: st.name},
         ipam={"Driver": "default", "Config": [{"Subnet": ipam.get("subnet"), "Gateway": ipam.get("gateway")}]},
     )
+    say(f"starting {len(names)} containers on {net_name}")
+    from .runtime import _fault_point
+
+    def start(svc_name: str) -> None:
+        client.containers.run(**service_kwargs(project, svc_name, spec["services"][svc_name], net_name, rendered.out_dir))
+
+    # The agent first: it shapes each node as that node comes up, while the others start.
+    services = sorted(services, key=lambda svc: svc != "agent")
+    # The engine serialises little of a container's start: several at once.
+    half = len(services) // 2
+    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="nbox-docker-up") as pool:
+        for i, batch in enumerate((services[:half], services[half:])):
+            for f in [pool.submit(start, svc) for svc in batch]:
+                f.result()
+            if i == 0:
+                _fault_point("docker-containers")  # crash tests kill -9 `up` here, half the containers made
+
+
+def _wait_shaped(url: str, nodes: int, say, timeout: float = 60.0) -> None:
+    """Wait until the agent has found and shaped every node: `up` returns with the links as the topology says."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    health: dict = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                health = json.load(resp)
+            if health.get("errors"):
+                node, err = next(iter(health["errors"].items()))
+                raise RunFailed(f"--runtime docker: the agent could not shape {node}: {err}")
+            if len(health.get("nodes") or {}) == nodes:
+                return
+        time.sleep(0.1)
+    raise RunFailed(f"--runtime docker: the agent at {url} shaped {len(health.get('nodes') or {})} of {nodes} nodes "
+                    f"in {timeout:.0f} s (docker logs of the agent container say why)")
+
+
+def _startable(client, spec: dict, say) -> list[str]:
+    """The services whose image the engine has; a missing one is an InputError unless optional."""
+    from docker.errors import ImageNotFound
+
+    out = []
     for svc_name, svc in spec["services"].items():
-        kw = service_kwargs(project, svc_name, svc, net_name, rendered.out_dir)
-        st.data["docker"]["containers"].append(kw["name"])
-        st.save()
-        say(f"starting {kw['name']}")
-        client.containers.run(**kw)
-
-
-def _ensure_images(client, spec: dict, say) -> None:
-    seen: set[str] = set()
-    for svc in spec["services"].values():
-        image = svc["image"]
-        if image in seen:
-            continue
-        seen.add(image)
         try:
-            client.images.get(image)
-            continue
-        except Exception:  # noqa: BLE001 - the SDK's ImageNotFound; any miss means make it
-            pass
-        build = svc.get("build")
-        if build:
-            say(f"building {image} from {build['dockerfile']}")
-            client.images.build(path=build["context"], dockerfile=build["dockerfile"], tag=image, rm=True)
-        else:
-            say(f"pulling {image}")
-            client.images.pull(image)
+            client.images.get(svc["image"])
+        except ImageNotFound:
+            if svc_name in OPTIONAL_SERVICES:
+                say(f"not starting {svc_name}: no image {svc['image']} (not packaged here; see docs/guide/containers.md)")
+                continue
+            raise InputError(f"--runtime docker: the image {svc['image']} (service {svc_name}) is missing; "
+                             f"build it with `nbox images build`") from None
+        out.append(svc_name)
+    return out
 
 
 # ---- down and status -----------------------------------------------------------------------------
@@ -306,9 +345,6 @@ def down(name: str, keep_lock: bool = False) -> dict:
     st = ClusterState.load(valid_name(name))
     d = st.get("docker") or {}
     removed = {"containers": 0, "networks": 0}
-    cli = compose_cli() if d.get("driver") == "compose" and d.get("project") else None
-    if cli and (Path(d["dir"]) / "compose.yaml").exists():
-        _compose(cli, st, ["down", "--remove-orphans", "--timeout", "5"], lambda m: None, check=False)
     client = _client()
     if client is not None:
         # Recorded names catch objects made before their labels; labels catch those made before a record was saved.
@@ -320,10 +356,15 @@ def down(name: str, keep_lock: bool = False) -> dict:
             if cname not in found:
                 with contextlib.suppress(Exception):
                     found[cname] = client.containers.get(cname)
-        for c in found.values():
+
+        def remove(c) -> int:
             with contextlib.suppress(Exception):
                 c.remove(force=True)
-                removed["containers"] += 1
+                return 1
+            return 0
+
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="nbox-docker-down") as pool:
+            removed["containers"] = sum(pool.map(remove, found.values()))
         nets = {}
         with contextlib.suppress(Exception):
             for n in client.networks.list(filters={"label": f"{LABEL}={name}"}):
@@ -343,7 +384,40 @@ def down(name: str, keep_lock: bool = False) -> dict:
     return {"name": name, **removed, "processes": 0, "namespaces": 0}
 
 
-def _containers(st: ClusterState, client, cli: list[str] | None = None) -> dict[str, str] | None:
+def exec_in(name: str, host: dict, cmd: list[str], env: dict | None = None, capture_output: bool = False,
+            text: bool = False, timeout: float | None = None, **_ignored) -> subprocess.CompletedProcess:
+    """Run ``cmd`` inside the container of ``host`` (a plan entry) and wait: a CompletedProcess, as subprocess.run."""
+    from docker.errors import APIError, NotFound
+
+    st = ClusterState.load(valid_name(name))
+    cname = f"{(st.get('docker') or {}).get('project')}-{host['service']}"
+    api = client(timeout=int(timeout) if timeout else 120).api
+    try:
+        ex = api.exec_create(cname, list(cmd), environment={k: str(v) for k, v in (env or {}).items()})
+        chunks = api.exec_start(ex["Id"], stream=True, demux=True)
+        out, err = bytearray(), bytearray()
+        for o, e in chunks:
+            if capture_output:
+                out += o or b""
+                err += e or b""
+            else:
+                for data, stream in ((o, sys.stdout), (e, sys.stderr)):
+                    if data:
+                        stream.flush()
+                        stream.buffer.write(data)
+                        stream.buffer.flush()
+        code = api.exec_inspect(ex["Id"])["ExitCode"]
+    except NotFound:
+        raise InputError(f"exec: node {host['node']}'s container {cname!r} does not exist (nbox status; nbox up)") from None
+    except APIError as exc:
+        raise RunFailed(f"exec: the engine refused to run {cmd[0]!r} in {cname}: {exc.explanation or exc}") from None
+    so, se = (bytes(out), bytes(err)) if capture_output else (None, None)
+    if text and capture_output:
+        so, se = so.decode(errors="replace"), se.decode(errors="replace")
+    return subprocess.CompletedProcess(list(cmd), code if code is not None else 1, so, se)
+
+
+def _containers(st: ClusterState, client) -> dict[str, str] | None:
     """Container name -> state for the cluster's containers; None when nothing can ask the engine."""
     if client is not None:
         out = {}
@@ -351,16 +425,11 @@ def _containers(st: ClusterState, client, cli: list[str] | None = None) -> dict[
             for c in client.containers.list(all=True, filters={"label": f"{LABEL}={st.name}"}):
                 out[c.name] = c.status
         return out
-    d = st.get("docker") or {}
-    if cli and d.get("project") and (Path(d["dir"]) / "compose.yaml").exists():
-        r = _compose(cli, st, ["ps", "--all", "--format", "{{.Name}} {{.State}}"], lambda m: None, check=False)
-        if r.returncode == 0:
-            return dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
     return None
 
 
-def _running(st: ClusterState, cli, client) -> bool:
-    states = _containers(st, client or _client(10), cli) or {}
+def _running(st: ClusterState, client) -> bool:
+    states = _containers(st, client or _client(10)) or {}
     want = (st.get("docker") or {}).get("containers") or list(states)
     return bool(want) and all(states.get(c) == "running" for c in want)
 
@@ -369,7 +438,7 @@ def status(name: str) -> dict:
     """Summary of docker cluster ``name`` (the keys of ``runtime.status`` rows, plus containers and project)."""
     st = ClusterState.load(valid_name(name))
     d = st.get("docker") or {}
-    states = _containers(st, _client(10), compose_cli() if d.get("driver") == "compose" else None)
+    states = _containers(st, _client(10))
     recorded = d.get("containers") or sorted(states or {})
     running = sum(1 for c in recorded if (states or {}).get(c) == "running")
     return {
@@ -428,6 +497,7 @@ class DockerAgent:
         self.shapes = {n["name"]: LinkShape(**n["shape"]) for n in config["nodes"]}
         self.proc = proc
         self.pids: dict[str, int] = {}
+        self.pending: dict[str, int] = {}  # found, being shaped
         self.netem = False
         self.errors: dict[str, str] = {}
         self.port: int | None = None
@@ -440,7 +510,7 @@ class DockerAgent:
         from .netns import Namespace
 
         ns = Namespace(f"docker-{node}")
-        ns.path = f"{self.proc}/{self.pids[node]}/ns/net"
+        ns.path = f"{self.proc}/{self.pids.get(node) or self.pending[node]}/ns/net"
         return ns
 
     def _apply(self, node: str, change: bool) -> None:
@@ -471,15 +541,19 @@ class DockerAgent:
         found = find_node_pids(self.cluster, missing, self.proc)
         done = []
         with self.lock:
-            self.pids = {**alive, **found}
-            for node in found:
+            # A node enters `pids` (what /health lists, and what `up` waits for) once it is shaped.
+            self.pids = dict(alive)
+            for node, pid in found.items():
+                self.pending[node] = pid
                 try:
                     self.nl.submit(self._apply, node, False).result()
+                    self.pids[node] = pid
                     self.errors.pop(node, None)
                     done.append(node)
                 except Exception as exc:  # noqa: BLE001 - report per node, keep serving the rest
                     self.errors[node] = f"{type(exc).__name__}: {exc}"
-                    self.pids.pop(node, None)
+                finally:
+                    self.pending.pop(node, None)
         return done
 
     def set_node(self, node: str, changes: dict[str, float]) -> dict:
@@ -627,7 +701,8 @@ class DockerAgent:
         threading.Thread(target=httpd.serve_forever, daemon=True, name="nbox-docker-agent-http").start()
         try:
             # Nodes start in any order and may restart: keep looking for the ones not shaped.
-            while not stop.wait(0 if not self.pids else 2.0):
+            # Nodes start in any order: look often until all are shaped (up waits for that), then every 2 s.
+            while not stop.wait(0.1 if len(self.pids) < len(self.nodes) else 2.0):
                 self.discover()
         finally:
             httpd.shutdown()

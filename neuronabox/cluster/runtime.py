@@ -92,32 +92,9 @@ def can_netns() -> tuple[bool, str]:
 
 def docker_engine() -> tuple[bool, str]:
     """Whether a Docker engine answers (the Docker SDK if installed, else the socket's /_ping)."""
-    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-    try:
-        import docker  # type: ignore
+    from .docker_runtime import engine_answers
 
-        if not hasattr(docker, "from_env"):
-            # A source checkout's docker/ folder imports as an empty namespace package.
-            raise ImportError("not the Docker SDK")
-        try:
-            docker.from_env(timeout=2).ping()
-            return True, host
-        except Exception as exc:  # noqa: BLE001 - any failure means no usable engine
-            return False, f"{host}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-    except ImportError:
-        pass
-    if not host.startswith("unix://"):
-        return False, f"{host}: the Docker SDK (pip install 'neuronabox[docker]') is needed for a TCP engine"
-    path = host[len("unix://"):]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(2)
-            s.connect(path)
-            s.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
-            reply = s.recv(64)
-        return (b" 200 " in reply), host
-    except OSError as exc:
-        return False, f"{host}: {exc.strerror or exc}"
+    return engine_answers()
 
 
 # ---- up -------------------------------------------------------------------------------------------
@@ -573,6 +550,11 @@ def exec_in(name: str, node: str, cmd: list[str], **kwargs) -> subprocess.Comple
     if not cmd:
         raise InputError("exec: no command given (nbox exec NODE -- CMD ...)")
     h = node_info(name, node)
+    if h["runtime"] == "docker":
+        from .docker_runtime import exec_in as docker_exec
+
+        # Inside the node's container, with its environment (the host's would be wrong there).
+        return docker_exec(name, h, cmd, env=kwargs.pop("env", {}), **kwargs)
     env = {**os.environ, **kwargs.pop("env", {}), "NBOX_CLUSTER": name, "NBOX_NODE": h["node"], "NBOX_NODE_ADDR": h["address"]}
     pre = Namespace(h["ns"]).preexec() if h.get("ns") else None
     try:

@@ -1,0 +1,134 @@
+"""The docker runtime against a real engine: up/down time, a stub's memory, ping and TCP on a shaped link.
+
+- images: ``nbox images build`` (all three); the time says whether they were cached.
+- up/down: a 16-node switch cluster (``--runtime docker``), images cached, ``--repeats`` times.
+  Goals: up < 10 s, down < 5 s.
+- stub memory: resident set of one stub container's processes (from the host, psutil). Goal <= 30 MB.
+- link: ping RTT node0 -> node1 and TCP goodput over 100 Mbit/s links (tbf in the containers),
+  against the payload rate as the netns tests count it (within 5 %).
+
+Needs root and an engine that answers (dockerd). Writes benchmarks/results/docker_updown.json,
+with the command that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results" / "docker_updown.json"
+PORTS = {"agent_port": 29465, "prometheus_port": 29090, "metrics_port": 29464}
+TCP_PAYLOAD_SHARE = (1500 - 20 - 20 - 12) / (1500 + 14)
+SENDER = r"""
+import socket, sys, time
+if sys.argv[1] == "serve":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 5201)); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept(); n = first = 0; t0 = None
+    while True:
+        b = c.recv(1 << 16)
+        if not b: break
+        if t0 is None: t0, first = time.perf_counter(), len(b)
+        n += len(b)
+    print((n - first) / (time.perf_counter() - t0))
+else:
+    c = socket.create_connection((sys.argv[2], 5201)); buf = b"\0" * (1 << 16); n = int(sys.argv[3]); sent = 0
+    while sent < n: c.sendall(buf); sent += len(buf)
+    c.close()
+"""
+
+
+def topo(n: int, bw: str):
+    from neuronabox.topology import parse_topology
+
+    return parse_topology(f"cluster: {{nodes: {n}}}\nnetwork: {{type: switch, link: {{bandwidth: {bw}, latency: 0us}}}}\n",
+                          f"switch-{n}.yaml")
+
+
+def stub_rss(client, container: str) -> int:
+    """Resident bytes of every process of ``container``, read from the host."""
+    import psutil
+
+    pid = client.containers.get(container).attrs["State"]["Pid"]
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    return sum(p.memory_info().rss for p in procs)
+
+
+def link(client, res) -> dict:
+    """Ping RTT and TCP goodput node0 -> node1."""
+    a, b = (f"nbox-{res.name}-node{i}" for i in (0, 1))
+    dst = res.nodes[1]["address"]
+    for c in (a, b):
+        client.containers.get(c).exec_run(["sh", "-c", f"cat > /tmp/tput.py << 'EOF'\n{SENDER}\nEOF"])
+    ping = client.containers.get(a).exec_run(["ping", "-c", "20", "-i", "0.05", "-q", dst]).output.decode()
+    rtt = [float(x) for x in ping.rsplit("=", 1)[1].split()[0].split("/")]
+    srv = subprocess.Popen(["docker", "exec", b, "python3", "/tmp/tput.py", "serve"], stdout=subprocess.PIPE, text=True)
+    assert srv.stdout.readline().strip() == "ready"
+    rate = 100e6 / 8
+    client.containers.get(a).exec_run(["python3", "/tmp/tput.py", "send", dst, str(int(rate * 3))])
+    got = float(srv.stdout.read().strip())
+    srv.wait(10)
+    return {"ping_rtt_ms": {"min": rtt[0], "avg": rtt[1], "max": rtt[2]}, "rate_bit_per_s": rate * 8,
+            "tcp_goodput_bit_per_s": got * 8, "error_vs_payload_rate": got / (rate * TCP_PAYLOAD_SHARE) - 1}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    os.environ.setdefault("NBOX_STATE_DIR", "/run/neuronabox-bench-docker")
+    from neuronabox.cluster import docker_runtime as dr
+    from neuronabox.cluster import images
+
+    client = dr.client()
+    t0 = time.perf_counter()
+    built = images.build(client=client)
+    build = {"seconds": time.perf_counter() - t0, "images": [{"ref": b.ref, "cached": b.cached, "mb": b.size / 1e6}
+                                                              for b in built]}
+    runs = []
+    for i in range(args.repeats):
+        t0 = time.perf_counter()
+        res = dr.up(topo(args.nodes, "10Gbps"), name="dbench", **PORTS)
+        up_s = time.perf_counter() - t0
+        rss = stub_rss(client, "nbox-dbench-node1") if i == 0 else None
+        t0 = time.perf_counter()
+        dr.down("dbench")
+        runs.append({"up_s": up_s, "down_s": time.perf_counter() - t0, **({"stub_rss_mb": rss / 2**20} if rss else {})})
+        print(runs[-1], file=sys.stderr)
+    res = dr.up(topo(2, "100Mbps"), name="dlink", **PORTS)
+    try:
+        shaped = link(client, res)
+    finally:
+        dr.down("dlink")
+    out = {
+        "benchmark": "docker_updown",
+        "command": "sudo .venv/bin/python benchmarks/docker_updown.py " + " ".join(sys.argv[1:]),
+        "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+                 "engine": client.version().get("Version"),
+                 # This host is shared: its load during the run says how much the times mean.
+                 "load_average_1_5_15": list(os.getloadavg())},
+        "images": build,
+        "nodes": args.nodes,
+        "updown": runs,
+        "up_s_median": statistics.median(r["up_s"] for r in runs),
+        "down_s_median": statistics.median(r["down_s"] for r in runs),
+        "stub_rss_mb": runs[0]["stub_rss_mb"],
+        "link_100mbit": shaped,
+        "goals": {"up_s": 10, "down_s": 5, "stub_rss_mb": 30, "throughput_error": 0.05},
+    }
+    OUT.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: out[k] for k in ("up_s_median", "down_s_median", "stub_rss_mb")}), shaped)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

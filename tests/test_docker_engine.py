@@ -1,0 +1,243 @@
+"""The docker runtime against a real Docker engine (conftest's ``docker_engine``: the running one, or a
+dockerd started for the session): images built here from Debian packages (once, shared), then up,
+status, exec inside the container, a live shape change measured with TCP, down; docker-compose 1.29
+on the rendered project with Prometheus scraping the agent; the one-line errors; and no leftovers
+after down or after a kill -9 of up half way."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from neuronabox.cluster import docker_runtime as dr
+from neuronabox.cluster import images
+from neuronabox.errors import InputError
+
+from .conftest import ROOT, private_cluster_state, run_nbox, switch_topology
+
+pytestmark = [pytest.mark.root, pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a Docker engine, qdiscs in containers)")]
+
+# Ports of ours on the host's loopback, away from the defaults another cluster on this host may hold.
+PORTS = {"agent_port": 19465, "prometheus_port": 19090, "metrics_port": 19464}
+# tbf meters whole Ethernet frames; TCP goodput is the payload of a 1500-byte frame (as test_cluster_netns).
+TCP_PAYLOAD_SHARE = (1500 - 20 - 20 - 12) / (1500 + 14)
+THROUGHPUT = r"""
+import socket, sys, time
+if sys.argv[1] == "serve":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 5201)); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept(); n = first = 0; t0 = None
+    while True:
+        b = c.recv(1 << 16)
+        if not b: break
+        if t0 is None: t0, first = time.perf_counter(), len(b)
+        n += len(b)
+    print((n - first) / (time.perf_counter() - t0))
+else:
+    c = socket.create_connection((sys.argv[2], 5201)); buf = b"\0" * (1 << 16); n = int(sys.argv[3]); sent = 0
+    while sent < n: c.sendall(buf); sent += len(buf)
+    c.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def built(docker_engine):
+    """The three images, built once for the whole run (a second build finds them: seconds)."""
+    t0 = time.perf_counter()
+    out = images.build(client=docker_engine, progress=lambda m: print(m, file=sys.stderr))
+    return {b.name: b for b in out}, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    yield from private_cluster_state(tmp_path_factory, "docker-state")
+
+
+def leftovers(client, name: str) -> dict:
+    """What of cluster ``name`` the engine and the host still hold."""
+    label = f"{dr.LABEL}={name}"
+    return {
+        "containers": [c.name for c in client.containers.list(all=True, filters={"label": label})],
+        "networks": [n.name for n in client.networks.list(filters={"label": label})],
+        "processes": [p for p in subprocess.run(["pgrep", "-f", f"NBOX_CLUSTER={name}|--name {name} "],
+                                               capture_output=True, text=True).stdout.split()],
+    }
+
+
+def host_veths() -> set[str]:
+    return {ln.split("@")[0].split()[-1] for ln in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True)
+            .stdout.splitlines() if "veth" in ln}
+
+
+def test_images_are_built_once_and_found_the_second_time(built, docker_engine):
+    first, seconds = built
+    assert set(first) == {"stub", "node", "prometheus"}
+    print(f"\nfirst build {seconds:.1f} s ({', '.join(f'{b.name} {b.size / 1e6:.0f} MB' for b in first.values())})")
+    assert first["stub"].size <= 150e6, first["stub"]
+    t0 = time.perf_counter()
+    again = images.build(client=docker_engine)
+    assert all(b.cached for b in again) and time.perf_counter() - t0 < 10
+    # The stub image has no torch; the node image has it.
+    out = docker_engine.containers.run("neuronabox/stub:latest", ["python3", "-c",
+                                       "import importlib.util as u; print(u.find_spec('torch') is None)"], remove=True)
+    assert out.strip() == b"True"
+    out = docker_engine.containers.run("neuronabox/node:latest", ["python3", "-c", "import torch; print(torch.__version__)"],
+                                       remove=True)
+    assert out.startswith(b"2.")
+
+
+def test_a_missing_image_is_one_line_and_leaves_nothing(built, state, docker_engine):
+    with pytest.raises(InputError, match=r"the image neuronabox/(node|stub):no-such-tag .* is missing; build it with `nbox images build`"):
+        dr.up(switch_topology(2), name="dmiss", image_tag="no-such-tag", **PORTS)
+    assert leftovers(docker_engine, "dmiss") == {"containers": [], "networks": [], "processes": []}
+    assert not [p for p in state.iterdir() if p.name.startswith("dmiss")]
+
+
+def test_an_overlapping_docker_network_is_exit_2_naming_it(built, state, docker_engine):
+    net = docker_engine.networks.create("nbox-test-overlap", driver="bridge", labels={"nbox.test": "1"},
+                                        ipam={"Driver": "default", "Config": [{"Subnet": "10.79.5.0/24"}]})
+    try:
+        topo = state / "two.yaml"
+        topo.write_text("cluster: {nodes: 2}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 5us}}\n")
+        r = run_nbox("up", str(topo), "--runtime", "docker", "--name", "dover", "--subnet", "10.79.0.0/16")
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "nbox-test-overlap (10.79.5.0/24)" in lines[0] and "--subnet 10.79.0.0/16" in lines[0], r.stderr
+        assert leftovers(docker_engine, "dover") == {"containers": [], "networks": [], "processes": []}
+    finally:
+        net.remove()
+
+
+@pytest.fixture(scope="module")
+def cluster(built, state, docker_engine):
+    veths = host_veths()
+    res = dr.up(switch_topology(3, bandwidth="1Gbps", latency="0us"), name="dk", **PORTS)
+    yield res, veths
+    dr.down("dk")
+
+
+def test_up_status_exec_inside_the_container(cluster):
+    res, _ = cluster
+    assert res.runtime == "docker" and len(res.nodes) == 3
+    rows = json.loads(run_nbox("status", "--name", "dk", "--json").stdout)
+    assert rows[0]["healthy"] is True and rows[0]["containers"] == "5/5"  # 3 nodes, agent, prometheus (no grafana)
+    r = run_nbox("exec", "node1", "--name", "dk", "--", "sh", "-c", 'echo "$(hostname) $NBOX_NODE"; cat /proc/1/cmdline')
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first == "node1 node1", r.stdout  # the container's hostname and environment, not the host's
+    r = run_nbox("exec", "node1", "--name", "dk", "--", "sh", "-c", "exit 7")
+    assert r.returncode == 7
+
+
+def test_shape_changes_the_link_live_and_tcp_measures_it(cluster, docker_engine):
+    res, _ = cluster
+    r = run_nbox("shape", "node0", "--name", "dk", "--rate", "100Mbps")
+    assert r.returncode == 0, r.stderr
+    assert "100Mbps" in r.stdout and "tbf" in r.stdout
+    tc = run_nbox("exec", "node0", "--name", "dk", "--", "tc", "qdisc", "show", "dev", "eth0").stdout
+    assert "rate 100Mbit" in tc, tc
+    a, b = (f"nbox-dk-node{i}" for i in (0, 1))
+    for c in (a, b):
+        docker_engine.containers.get(c).exec_run(["sh", "-c", f"cat > /tmp/tput.py << 'EOF'\n{THROUGHPUT}\nEOF"])
+    srv = subprocess.Popen(["docker", "exec", b, "python3", "/tmp/tput.py", "serve"], stdout=subprocess.PIPE, text=True)
+    assert srv.stdout.readline().strip() == "ready"
+    rate = 100e6 / 8
+    docker_engine.containers.get(a).exec_run(["python3", "/tmp/tput.py", "send", res.nodes[1]["address"], str(int(rate * 2))])
+    got = float(srv.stdout.read().strip())
+    srv.wait(10)
+    err = got / (rate * TCP_PAYLOAD_SHARE) - 1
+    print(f"\n100 Mbit/s across containers: TCP goodput {got * 8 / 1e6:.2f} Mbit/s, error {err:+.1%} of the payload rate")
+    assert abs(err) <= 0.05
+    ping = docker_engine.containers.get(a).exec_run(["ping", "-c", "5", "-i", "0.2", "-q", res.nodes[1]["address"]]).output
+    avg_ms = float(ping.decode().rsplit("=", 1)[1].split("/")[1])
+    assert avg_ms < 2.0, ping  # an unshaped-delay bridge: well under the 2 ms a netns switch test allows
+
+
+@pytest.mark.torch
+def test_the_node_container_runs_the_ddp_example_under_nbox_run(cluster, docker_engine):
+    """The real node's container: `nbox run` of the unmodified DDP example, as rank 0 of the topology."""
+    node0 = docker_engine.containers.get("nbox-dk-node0")
+    script = (ROOT / "examples" / "ddp_train.py").read_text()
+    node0.exec_run(["sh", "-c", f"mkdir -p /workspace && cat > /workspace/ddp_train.py << 'EOF'\n{script}\nEOF"])
+    r = run_nbox("exec", "node0", "--name", "dk", "--", "nbox", "run", "/nbox/topology.yaml", "--rank", "0", "--",
+                 "python3", "/workspace/ddp_train.py", "--steps", "3", "--width", "64", "--depth", "1")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "step" in r.stdout.lower() or "step" in r.stderr.lower(), r.stdout[-1000:]
+
+
+def test_down_leaves_nothing(built, state, docker_engine):
+    veths = host_veths()
+    dr.up(switch_topology(2), name="dgone", subnet="10.75.0.0/16", **{k: v + 100 for k, v in PORTS.items()})
+    t0 = time.perf_counter()
+    r = run_nbox("down", "dgone")
+    assert r.returncode == 0 and "removed 4 containers, 1 networks" in r.stdout, r.stdout + r.stderr
+    print(f"\ndown in {time.perf_counter() - t0:.2f} s")
+    assert leftovers(docker_engine, "dgone") == {"containers": [], "networks": [], "processes": []}
+    assert host_veths() <= veths
+    assert "10.75." not in subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+
+
+def test_kill_9_of_up_half_way_then_down_leaves_nothing(built, state, docker_engine):
+    veths = host_veths()
+    topo = state / "four.yaml"
+    topo.write_text("cluster: {nodes: 4}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 5us}}\n")
+    p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", "up", str(topo), "--runtime", "docker", "--name", "dhalf",
+                          "--subnet", "10.78.0.0/16"], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "NBOX_FAULT_PAUSE": "docker-containers"})
+    for line in p.stderr:
+        if "nbox-fault-pause docker-containers" in line:
+            break
+    half = leftovers(docker_engine, "dhalf")
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    assert half["networks"] and 0 < len(half["containers"]) < 6, half  # of 4 nodes, agent, prometheus  # it died half way
+    r = run_nbox("down", "dhalf")
+    assert r.returncode == 0, r.stderr
+    assert leftovers(docker_engine, "dhalf") == {"containers": [], "networks": [], "processes": []}
+    assert host_veths() <= veths
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (1.29, Debian's) is not installed")
+def test_docker_compose_runs_the_rendered_project_and_prometheus_scrapes(built, tmp_path, docker_engine):
+    from neuronabox.cluster.compose import render_compose
+
+    out = tmp_path / "proj"
+    ports = {k: v + 200 for k, v in PORTS.items()}
+    render_compose(switch_topology(2), out, name="dcomp", subnet="10.76.0.0/16", **ports)
+    env = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROJECT_NAME"}
+
+    def compose(*args):
+        return subprocess.run(["docker-compose", *args], cwd=out, capture_output=True, text=True, env=env, timeout=120)
+
+    try:
+        r = compose("up", "-d")
+        assert r.returncode == 0, r.stderr
+        ps = compose("ps")
+        assert "nbox-dcomp_agent_1" in ps.stdout and "grafana" not in ps.stdout, ps.stdout
+        url = f"http://127.0.0.1:{ports['prometheus_port']}/api/v1/query?query=up%7Bjob%3D%22nbox-agent%22%7D"
+        deadline, val = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    result = json.load(resp)["data"]["result"]
+                val = result[0]["value"][1] if result else None
+            except OSError:
+                val = None
+            if val == "1":
+                break
+            time.sleep(1)
+        assert val == "1", "Prometheus never scraped the agent"
+    finally:
+        r = compose("down", "--timeout", "2")
+    assert r.returncode == 0, r.stderr
+    assert not docker_engine.containers.list(all=True, filters={"label": "nbox.cluster=dcomp"})
+    assert not docker_engine.networks.list(filters={"label": "nbox.cluster=dcomp"})
