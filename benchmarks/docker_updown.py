@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,24 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "docker_updown.json"
 PORTS = {"agent_port": 29465, "prometheus_port": 29090, "metrics_port": 29464}
-TCP_PAYLOAD_SHARE = (1500 - 20 - 20 - 12) / (1500 + 14)
-SENDER = r"""
-import socket, sys, time
-if sys.argv[1] == "serve":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 5201)); s.listen(1)
-    print("ready", flush=True)
-    c, _ = s.accept(); n = first = 0; t0 = None
-    while True:
-        b = c.recv(1 << 16)
-        if not b: break
-        if t0 is None: t0, first = time.perf_counter(), len(b)
-        n += len(b)
-    print((n - first) / (time.perf_counter() - t0))
-else:
-    c = socket.create_connection((sys.argv[2], 5201)); buf = b"\0" * (1 << 16); n = int(sys.argv[3]); sent = 0
-    while sent < n: c.sendall(buf); sent += len(buf)
-    c.close()
-"""
 
 
 def topo(n: int, bw: str):
@@ -64,18 +45,14 @@ def stub_rss(client, container: str) -> int:
 
 def link(client, res) -> dict:
     """Ping RTT and TCP goodput node0 -> node1."""
+    from neuronabox.cluster.goodput_probe import TCP_PAYLOAD_SHARE, container_goodput
+
     a, b = (f"nbox-{res.name}-node{i}" for i in (0, 1))
     dst = res.nodes[1]["address"]
-    for c in (a, b):
-        client.containers.get(c).exec_run(["sh", "-c", f"cat > /tmp/tput.py << 'EOF'\n{SENDER}\nEOF"])
     ping = client.containers.get(a).exec_run(["ping", "-c", "20", "-i", "0.05", "-q", dst]).output.decode()
     rtt = [float(x) for x in ping.rsplit("=", 1)[1].split()[0].split("/")]
-    srv = subprocess.Popen(["docker", "exec", b, "python3", "/tmp/tput.py", "serve"], stdout=subprocess.PIPE, text=True)
-    assert srv.stdout.readline().strip() == "ready"
     rate = 100e6 / 8
-    client.containers.get(a).exec_run(["python3", "/tmp/tput.py", "send", dst, str(int(rate * 3))])
-    got = float(srv.stdout.read().strip())
-    srv.wait(10)
+    got = container_goodput(client, a, b, dst, int(rate * 3))
     return {"ping_rtt_ms": {"min": rtt[0], "avg": rtt[1], "max": rtt[2]}, "rate_bit_per_s": rate * 8,
             "tcp_goodput_bit_per_s": got * 8, "error_vs_payload_rate": got / (rate * TCP_PAYLOAD_SHARE) - 1}
 

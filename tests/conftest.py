@@ -36,17 +36,25 @@ def run_nbox(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     )
 
 
-def stop_nbox_when(argv: list[str], said: str, after_s: float = 1.0, env: dict[str, str] | None = None):
-    """Run nbox, send it SIGTERM ``after_s`` after its output first has a line with ``said``.
+def stop_nbox_when(argv: list[str], said: str, after_s: float = 1.0, env: dict[str, str] | None = None,
+                   sig: int = 15, to_group: bool = False):
+    """Run nbox in a session of its own; ``after_s`` after its output first has a line with ``said``, send it ``sig``.
 
+    ``to_group`` sends the signal to its whole process group, as a terminal's Ctrl-C does.
     Returns its status, stdout, stderr and the seconds from the signal to its exit.
     """
     import signal
     import threading
     import time
 
+    def own_session() -> None:
+        os.setsid()
+        # A background job (`make test &`) hands its children SIGINT ignored, and Python keeps that.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})})
+                         text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})},
+                         preexec_fn=own_session)
     out: list[str] = []
     seen = threading.Event()
 
@@ -58,14 +66,26 @@ def stop_nbox_when(argv: list[str], said: str, after_s: float = 1.0, env: dict[s
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert seen.wait(180), "".join(out) + p.stderr.read()
-    time.sleep(after_s)
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGTERM)
-    err = p.stderr.read()
-    rc = p.wait(60)
+    try:
+        deadline = time.monotonic() + 180
+        while not seen.wait(0.5) and p.poll() is None and time.monotonic() < deadline:
+            pass
+        assert seen.is_set(), "".join(out) + p.stderr.read()
+        time.sleep(after_s)
+        t0 = time.monotonic()
+        if to_group:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
+        err = p.stderr.read()
+        rc = p.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     reader.join(10)
-    return rc, "".join(out), err, time.monotonic() - t0
+    return rc, "".join(out), err, took
 
 
 def benchmark_module(name: str):

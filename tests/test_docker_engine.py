@@ -19,6 +19,7 @@ import pytest
 
 from neuronabox.cluster import docker_runtime as dr
 from neuronabox.cluster import images
+from neuronabox.cluster.goodput_probe import TCP_PAYLOAD_SHARE, container_goodput
 from neuronabox.errors import InputError
 
 from .conftest import ROOT, private_cluster_state, run_nbox, switch_topology
@@ -28,25 +29,6 @@ pytestmark = [pytest.mark.root, pytest.mark.slow,
 
 # Ports of ours on the host's loopback, away from the defaults another cluster on this host may hold.
 PORTS = {"agent_port": 19465, "prometheus_port": 19090, "metrics_port": 19464}
-# tbf meters whole Ethernet frames; TCP goodput is the payload of a 1500-byte frame (as test_cluster_netns).
-TCP_PAYLOAD_SHARE = (1500 - 20 - 20 - 12) / (1500 + 14)
-THROUGHPUT = r"""
-import socket, sys, time
-if sys.argv[1] == "serve":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 5201)); s.listen(1)
-    print("ready", flush=True)
-    c, _ = s.accept(); n = first = 0; t0 = None
-    while True:
-        b = c.recv(1 << 16)
-        if not b: break
-        if t0 is None: t0, first = time.perf_counter(), len(b)
-        n += len(b)
-    print((n - first) / (time.perf_counter() - t0))
-else:
-    c = socket.create_connection((sys.argv[2], 5201)); buf = b"\0" * (1 << 16); n = int(sys.argv[3]); sent = 0
-    while sent < n: c.sendall(buf); sent += len(buf)
-    c.close()
-"""
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +128,8 @@ def test_shape_changes_the_link_live_and_tcp_measures_it(cluster, docker_engine)
     tc = run_nbox("exec", "node0", "--name", "dk", "--", "tc", "qdisc", "show", "dev", "eth0").stdout
     assert "rate 100Mbit" in tc, tc
     a, b = (f"nbox-dk-node{i}" for i in (0, 1))
-    for c in (a, b):
-        docker_engine.containers.get(c).exec_run(["sh", "-c", f"cat > /tmp/tput.py << 'EOF'\n{THROUGHPUT}\nEOF"])
-    srv = subprocess.Popen(["docker", "exec", b, "python3", "/tmp/tput.py", "serve"], stdout=subprocess.PIPE, text=True)
-    assert srv.stdout.readline().strip() == "ready"
     rate = 100e6 / 8
-    docker_engine.containers.get(a).exec_run(["python3", "/tmp/tput.py", "send", res.nodes[1]["address"], str(int(rate * 2))])
-    got = float(srv.stdout.read().strip())
-    srv.wait(10)
+    got = container_goodput(docker_engine, a, b, res.nodes[1]["address"], int(rate * 2))
     err = got / (rate * TCP_PAYLOAD_SHARE) - 1
     print(f"\n100 Mbit/s across containers: TCP goodput {got * 8 / 1e6:.2f} Mbit/s, error {err:+.1%} of the payload rate")
     assert abs(err) <= 0.05

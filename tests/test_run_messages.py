@@ -6,12 +6,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from .conftest import ROOT, run_nbox
+from .conftest import ROOT, run_nbox, stop_nbox_when
 
 PY = sys.executable
 
@@ -75,48 +74,6 @@ def test_a_script_with_no_distributed_calls_gets_one_warning_line(topo):
     assert len(lines) == 1 and lines[0].startswith("nbox: warning:") and "no torch.distributed calls" in lines[0], r.stderr
 
 
-def _run_then_interrupt(argv: list[str], said: str, to_group: bool):
-    """Start nbox in a session of its own, send SIGINT to its process group (Ctrl-C) or to nbox alone once ``said`` shows."""
-
-    def own_session() -> None:
-        os.setsid()
-        # A background job (`make test &`) hands its children SIGINT ignored, and Python keeps that.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-    p = subprocess.Popen([PY, "-m", "neuronabox.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=ROOT, env={**os.environ, "COLUMNS": "200"}, preexec_fn=own_session)
-    out: list[str] = []
-    seen = threading.Event()
-
-    def read() -> None:
-        for line in p.stdout:
-            out.append(line)
-            if said in line:
-                seen.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 180
-        while not seen.wait(0.5) and p.poll() is None and time.monotonic() < deadline:
-            pass
-        assert seen.is_set(), "".join(out) + p.stderr.read()
-        t0 = time.monotonic()
-        if to_group:
-            os.killpg(p.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        else:
-            p.send_signal(signal.SIGINT)
-        err = p.stderr.read()
-        rc = p.wait(60)
-        took = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    reader.join(10)
-    return rc, "".join(out), err, took
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("real", [1, 2], ids=["one-real-rank", "two-real-ranks"])
 @pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c", "nbox-alone"])
@@ -129,9 +86,9 @@ def test_sigint_interrupts_the_script_prints_the_summary_and_exits_130(topo, tmp
     # Two real ranks need a node with two ranks: the demo's 16 nodes x 4.
     launch = ["--nproc-per-node", str(real)] if real > 1 else []
     where = ROOT / "topologies/cpu-64-demo.yaml" if real > 1 else topo
-    rc, out, err, took = _run_then_interrupt(
+    rc, out, err, took = stop_nbox_when(
         ["run", str(where), *launch, "--report", str(report), "--", PY, str(ROOT / "examples/ddp_train.py"),
-         "--steps", "100000"], "step  10", to_group)
+         "--steps", "100000"], "step  10", after_s=0.0, sig=signal.SIGINT, to_group=to_group)
     assert rc == 130, out + err
     assert "iteration time" in out and report.exists(), out + err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
