@@ -140,9 +140,11 @@ def check_topology(text: str, limit_s: float = 2.0) -> str:
     except TopologyError as exc:
         msg = str(exc)
         assert "\n" not in msg and msg.startswith("fuzz.yaml") and len(msg) < 600, msg
-        assert time.monotonic() - t0 < limit_s
+        took = time.monotonic() - t0
+        assert took < limit_s, f"refused in {took:.2f} s (bound {limit_s} s): {text[:120]!r}"
         return "refused"
-    assert time.monotonic() - t0 < limit_s
+    took = time.monotonic() - t0
+    assert took < limit_s, f"loaded in {took:.2f} s (bound {limit_s} s): {text[:120]!r}"
     assert 1 <= t.world_size <= MAX_WORLD and len(t.nodes) <= MAX_NODES
     import re
 
