@@ -117,6 +117,7 @@ def test_up_status_exec_inside_the_container(cluster, docker_engine):
     rows = json.loads(run_nbox("status", "--name", "dk", "--json").stdout)
     assert rows[0]["healthy"] is True and rows[0]["containers"] == "3/3", rows  # the nodes; the agent is the host's
     assert rows[0]["namespaces"] == "4/4" and rows[0]["links"] == 3, rows  # 3 containers' + the switch's
+    assert dr.up(switch_topology(3, bandwidth="1Gbps", latency="0us"), name="dk", **PORTS).already_up
     r = run_nbox("exec", "node1", "--name", "dk", "--", "sh", "-c", 'echo "$(hostname) $NBOX_NODE"; cat /proc/1/cmdline')
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]

@@ -155,7 +155,10 @@ def up(
             if st.get("runtime") != "docker":
                 raise InputError(f"cluster {name!r} exists with runtime {st.get('runtime')!r}; "
                                  f"run `nbox down {name}` first or pick another --name")
-            if st.get("phase") == "up" and _running(st, cl):
+            from .runtime import _broken
+
+            # Up means every container running and the netns side whole (namespaces bound, the agent alive).
+            if st.get("phase") == "up" and _running(st, cl) and not _broken(st):
                 if st.get("topology_name") != topo.name:
                     raise InputError(f"cluster {name!r} is already up with topology {st.get('topology_name')!r}; "
                                      f"run `nbox down {name}` first or pick another --name")
