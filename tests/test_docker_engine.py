@@ -172,6 +172,12 @@ def test_delay_through_the_relay_and_a_live_delay_change(cluster):
                   f"added one-way {added * 1e3:.3f} ms, error {(added - want) * 1e6:+.0f} us")
             assert abs(added - want) <= 0.10 * want + nt.QUEUE_SLACK_S
             assert first >= 2 * want
+        # A process in the container is delayed too: its ping (ICMP, the NFQUEUE delay line) crosses the link both ways.
+        out = run_nbox("exec", "node0", "--name", "dk", "--", "ping", "-n", "-c", "10", "-i", "0.05", "-q", "node1").stdout
+        # The lowest round trip: the delay adds to every packet, a busy host only ever adds more.
+        min_ms = float(out.rsplit("=", 1)[1].split("/")[0])
+        print(f"ping node0 -> node1 from inside the container at 5 ms a way: lowest RTT {min_ms:.2f} ms")
+        assert 9.0 <= min_ms <= 12.0, out
     finally:
         call("/links/node0:0--switch", {"delay": 0})
 
@@ -228,6 +234,10 @@ def test_down_leaves_nothing(built, state, docker_engine):
     veths = host_veths()
     dr.up(switch_topology(2, latency="50us"), name="dgone", subnet="10.75.0.0/16", **{k: v + 100 for k, v in PORTS.items()})
     assert [n for n in nt.snapshot("dgone")["namespaces"]] == ["nbx-dgone-h0", "nbx-dgone-h1", "nbx-dgone-s0"]
+    # A node's container gone is a broken cluster, said with the command that rebuilds it.
+    docker_engine.containers.get("nbox-dgone-node1").kill()
+    row = json.loads(run_nbox("status", "--name", "dgone", "--json").stdout)[0]
+    assert row["healthy"] is False and row["containers"] == "1/2" and "rebuilds it" in row["problem"], row
     t0 = time.perf_counter()
     r = run_nbox("down", "dgone")
     assert r.returncode == 0 and "removed 2 containers, 0 networks, 3 namespaces" in r.stdout, r.stdout + r.stderr
