@@ -15,7 +15,8 @@ and a failed ``up`` takes back what it made. No engine answering is an InputErro
 socket, raised before anything is written.
 
 Container side (``python -m neuronabox.cluster.docker_runtime agent``): the shaping agent of
-the ``nbox compose`` project only (compose cannot bind namespaces or run host relays). All nodes share one bridge, so a node's link is its ``eth0``; the agent
+the ``nbox compose`` project only (compose cannot bind namespaces or run host relays). All nodes
+share one bridge, so a node's link is its ``eth0``; the agent
 finds each node's processes (it runs with ``pid: host``) by ``NBOX_CLUSTER``/``NBOX_NODE`` in
 their environment, enters ``/proc/<pid>/ns/net`` and puts tbf (and netem where the host
 kernel has it) on ``eth0`` through netlink. It serves ``GET /health``, ``GET /links``,
@@ -319,7 +320,10 @@ def _sdk_up(client, st: ClusterState, topo, rendered, subnet: str, say) -> None:
         kw["command"] = _wait_address(kw.get("command") or ["sleep", "infinity"], addr[node])
         c = client.containers.run(**kw)
         c.reload()
-        pids[svc_name] = int(c.attrs["State"]["Pid"])
+        pid = int(c.attrs["State"].get("Pid") or 0)
+        if pid <= 0:  # it ended at once: nothing to adopt, and its log says why
+            raise RunFailed(f"--runtime docker: container {c.name} exited at start ({c.status}); docker logs {c.name}")
+        pids[svc_name] = pid
 
     half = len(services) // 2
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="nbox-docker-up") as pool:
@@ -329,7 +333,7 @@ def _sdk_up(client, st: ClusterState, topo, rendered, subnet: str, say) -> None:
             if i == 0:
                 _fault_point("docker-containers")  # crash tests kill -9 `up` here, half the containers made
     adopt = {plan.node_ns[node_of[svc]]: pid for svc, pid in pids.items()}
-    _up_netns(st, topo, subnet, True, "tbf", True, say, plan=plan, adopt=adopt)
+    _up_netns(st, topo, subnet, shape=True, rate_kind="tbf", agent=True, say=say, plan=plan, adopt=adopt)
     svc_of = {v: k for k, v in node_of.items()}
     for h in st.data["plan"]["hosts"]:
         h["service"] = svc_of[h["node"]]
