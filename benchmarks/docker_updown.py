@@ -4,7 +4,7 @@
 - up/down: a 16-node switch cluster (``--runtime docker``), images cached, ``--repeats`` times.
   Goals: up < 10 s, down < 5 s.
 - stub memory: resident set of one stub container's processes (from the host, psutil). Goal <= 30 MB.
-- link: ping RTT node0 -> node1 and TCP goodput over 100 Mbit/s links (tbf in the containers),
+- link: ping RTT node0 -> node1 and TCP goodput over 100 Mbit/s links (tbf on the veths in the containers),
   against the payload rate as the netns tests count it (within 5 %).
 
 Needs root and an engine that answers (dockerd). Writes benchmarks/results/docker_updown.json,

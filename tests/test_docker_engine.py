@@ -22,6 +22,10 @@ from neuronabox.cluster import images
 from neuronabox.cluster.goodput_probe import TCP_PAYLOAD_SHARE, container_goodput
 from neuronabox.errors import InputError
 
+from neuronabox.cluster.netns import Namespace
+from neuronabox.cluster.state import ClusterState
+
+from . import test_cluster_netns as nt
 from .conftest import ROOT, private_cluster_state, run_nbox, switch_topology
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
@@ -101,31 +105,40 @@ def test_an_overlapping_docker_network_is_exit_2_naming_it(built, state, docker_
 
 @pytest.fixture(scope="module")
 def cluster(built, state, docker_engine):
-    veths = host_veths()
+    before = nt.snapshot("dk")
     res = dr.up(switch_topology(3, bandwidth="1Gbps", latency="0us"), name="dk", **PORTS)
-    yield res, veths
+    yield res, before
     dr.down("dk")
 
 
-def test_up_status_exec_inside_the_container(cluster):
+def test_up_status_exec_inside_the_container(cluster, docker_engine):
     res, _ = cluster
-    assert res.runtime == "docker" and len(res.nodes) == 3
+    assert res.runtime == "docker" and len(res.nodes) == 3 and res.agent_url
     rows = json.loads(run_nbox("status", "--name", "dk", "--json").stdout)
-    assert rows[0]["healthy"] is True and rows[0]["containers"] == "5/5"  # 3 nodes, agent, prometheus (no grafana)
+    assert rows[0]["healthy"] is True and rows[0]["containers"] == "3/3", rows  # the nodes; the agent is the host's
+    assert rows[0]["namespaces"] == "4/4" and rows[0]["links"] == 3, rows  # 3 containers' + the switch's
+    assert dr.up(switch_topology(3, bandwidth="1Gbps", latency="0us"), name="dk", **PORTS).already_up
     r = run_nbox("exec", "node1", "--name", "dk", "--", "sh", "-c", 'echo "$(hostname) $NBOX_NODE"; cat /proc/1/cmdline')
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]
     assert first == "node1 node1", r.stdout  # the container's hostname and environment, not the host's
     r = run_nbox("exec", "node1", "--name", "dk", "--", "sh", "-c", "exit 7")
     assert r.returncode == 7
+    # The namespace named in the plan is the container's own (adopted by its pid), with its NIC in it.
+    for h in res.nodes:
+        c = docker_engine.containers.get(f"nbox-dk-{h['service']}")
+        pid = c.attrs["State"]["Pid"]
+        assert os.stat(f"/proc/{pid}/ns/net").st_ino == Namespace(h["ns"]).inode()
+    r = run_nbox("exec", "node1", "--name", "dk", "--", "sh", "-c", "ip -o link show nic0 && ping -c1 -W5 node0")
+    assert r.returncode == 0 and "nic0" in r.stdout, r.stdout + r.stderr  # node names resolve in the containers
 
 
 def test_shape_changes_the_link_live_and_tcp_measures_it(cluster, docker_engine):
     res, _ = cluster
-    r = run_nbox("shape", "node0", "--name", "dk", "--rate", "100Mbps")
+    r = run_nbox("shape", "node0:0--switch", "--name", "dk", "--rate", "100Mbps", "--direction", "ab")
     assert r.returncode == 0, r.stderr
     assert "100Mbps" in r.stdout and "tbf" in r.stdout
-    tc = run_nbox("exec", "node0", "--name", "dk", "--", "tc", "qdisc", "show", "dev", "eth0").stdout
+    tc = run_nbox("exec", "node0", "--name", "dk", "--", "tc", "qdisc", "show", "dev", "nic0").stdout
     assert "rate 100Mbit" in tc, tc
     a, b = (f"nbox-dk-node{i}" for i in (0, 1))
     rate = 100e6 / 8
@@ -135,7 +148,73 @@ def test_shape_changes_the_link_live_and_tcp_measures_it(cluster, docker_engine)
     assert abs(err) <= 0.05
     ping = docker_engine.containers.get(a).exec_run(["ping", "-c", "5", "-i", "0.2", "-q", res.nodes[1]["address"]]).output
     avg_ms = float(ping.decode().rsplit("=", 1)[1].split("/")[1])
-    assert avg_ms < 2.0, ping  # an unshaped-delay bridge: well under the 2 ms a netns switch test allows
+    assert avg_ms < 2.0, ping  # no delay set: well under the 2 ms a netns switch test allows
+    run_nbox("shape", "node0:0--switch", "--name", "dk", "--rate", "1Gbps", "--direction", "ab")
+
+
+def test_delay_through_the_relay_and_a_live_delay_change(cluster):
+    """The netns tests' TCP echo, between two containers' namespaces: the relay adds the set delay."""
+    a, b = nt.hosts("dk")[:2]
+    call = nt.agent("dk")
+    call("/links/node0:0--switch", {"delay": "1us"})
+    _, base = nt.echo_rtt(a, b)
+    try:
+        for delay in ("1ms", "5ms"):  # the second through `nbox shape`, live
+            if delay == "1ms":
+                call("/links/node0:0--switch", {"delay": delay})
+            else:
+                r = run_nbox("shape", "node0:0--switch", "--name", "dk", "--delay", delay)
+                assert r.returncode == 0 and "relay" in r.stdout, r.stdout + r.stderr
+            want = float(delay[:-2]) / 1e3
+            first, rtt = nt.echo_rtt(a, b)
+            added = (rtt - base) / 2
+            print(f"\ndelay {delay} in containers: echo RTT {rtt * 1e3:.3f} ms (base {base * 1e3:.3f}), "
+                  f"added one-way {added * 1e3:.3f} ms, error {(added - want) * 1e6:+.0f} us")
+            assert abs(added - want) <= 0.10 * want + nt.QUEUE_SLACK_S
+            assert first >= 2 * want
+        # A process in the container is delayed too: its ping (ICMP, the NFQUEUE delay line) crosses the link both ways.
+        out = run_nbox("exec", "node0", "--name", "dk", "--", "ping", "-n", "-c", "10", "-i", "0.05", "-q", "node1").stdout
+        # The lowest round trip: the delay adds to every packet, a busy host only ever adds more.
+        min_ms = float(out.rsplit("=", 1)[1].split("/")[0])
+        print(f"ping node0 -> node1 from inside the container at 5 ms a way: lowest RTT {min_ms:.2f} ms")
+        assert 9.0 <= min_ms <= 12.0, out
+    finally:
+        call("/links/node0:0--switch", {"delay": 0})
+
+
+def test_loss_in_containers(cluster):
+    a, b = nt.hosts("dk")[:2]
+    call = nt.agent("dk")
+    view = call("/links/node1:0--switch", {"loss": "20%"})
+    assert view["mechanisms"]["loss"] == "iptables statistic"
+    try:
+        received = nt.datagrams_through(a, b)
+        print(f"\nloss 20% in containers: {received}/1000 datagrams arrived")
+        assert 720 <= received <= 880
+    finally:
+        call("/links/node1:0--switch", {"loss": 0})
+    assert nt.datagrams_through(a, b) >= 990
+
+
+def test_a_two_tier_fabric_in_containers_routes_each_pair_along_its_route(built, state, docker_engine):
+    """Two NICs a node on two rails (two switches): one docker bridge cannot express it; the netns plan does."""
+    t = nt.topo("name: rails\n" + nt.OTHER_TOPOLOGIES["rail-optimized"])
+    before = nt.snapshot("drail")
+    dr.up(t, name="drail", subnet="10.74.0.0/16", **{k: v + 300 for k, v in PORTS.items()})
+    try:
+        pairs, slowest = nt.all_pairs_connect("drail")
+        assert pairs == 12 and slowest < 0.5
+        plan = ClusterState.load("drail")["plan"]
+        ns_of = {h["node"]: h["ns"] for h in plan["hosts"]} | {s["vertex"]: s["ns"] for s in plan["switches"]}
+        for a in plan["hosts"]:
+            for b in plan["hosts"]:
+                if a is not b:
+                    assert nt.kernel_path("drail", a, b) == nt.expected_l3_path(t, a["node"], b["node"], ns_of)
+    finally:
+        r = run_nbox("down", "drail")
+    assert r.returncode == 0, r.stderr
+    assert nt.snapshot("drail") == before
+    assert leftovers(docker_engine, "drail") == {"containers": [], "networks": [], "processes": []}
 
 
 @pytest.mark.torch
@@ -151,35 +230,48 @@ def test_the_node_container_runs_the_ddp_example_under_nbox_run(cluster, docker_
 
 
 def test_down_leaves_nothing(built, state, docker_engine):
+    before = nt.snapshot("dgone")
     veths = host_veths()
-    dr.up(switch_topology(2), name="dgone", subnet="10.75.0.0/16", **{k: v + 100 for k, v in PORTS.items()})
+    dr.up(switch_topology(2, latency="50us"), name="dgone", subnet="10.75.0.0/16", **{k: v + 100 for k, v in PORTS.items()})
+    assert [n for n in nt.snapshot("dgone")["namespaces"]] == ["nbx-dgone-h0", "nbx-dgone-h1", "nbx-dgone-s0"]
+    # A node's container gone is a broken cluster, said with the command that rebuilds it.
+    docker_engine.containers.get("nbox-dgone-node1").kill()
+    row = json.loads(run_nbox("status", "--name", "dgone", "--json").stdout)[0]
+    assert row["healthy"] is False and row["containers"] == "1/2" and "rebuilds it" in row["problem"], row
     t0 = time.perf_counter()
     r = run_nbox("down", "dgone")
-    assert r.returncode == 0 and "removed 4 containers, 1 networks" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "removed 2 containers, 0 networks, 3 namespaces" in r.stdout, r.stdout + r.stderr
     print(f"\ndown in {time.perf_counter() - t0:.2f} s")
     assert leftovers(docker_engine, "dgone") == {"containers": [], "networks": [], "processes": []}
     assert host_veths() <= veths
-    assert "10.75." not in subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+    assert nt.snapshot("dgone") == before  # netns names, root links, iptables rules, the agent, the state
 
 
-def test_kill_9_of_up_half_way_then_down_leaves_nothing(built, state, docker_engine):
+@pytest.mark.parametrize("phase", ["docker-containers", "shaping"])
+def test_kill_9_of_up_half_way_then_down_leaves_nothing(phase, built, state, docker_engine):
+    before = nt.snapshot("dhalf")
     veths = host_veths()
     topo = state / "four.yaml"
-    topo.write_text("cluster: {nodes: 4}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 5us}}\n")
+    topo.write_text("cluster: {nodes: 4}\nnetwork: {type: switch, link: {bandwidth: 1Gbps, latency: 50us}}\n")
     p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", "up", str(topo), "--runtime", "docker", "--name", "dhalf",
                           "--subnet", "10.78.0.0/16"], stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "NBOX_FAULT_PAUSE": "docker-containers"})
+                         env={**os.environ, "NBOX_FAULT_PAUSE": phase})
     for line in p.stderr:
-        if "nbox-fault-pause docker-containers" in line:
+        if f"nbox-fault-pause {phase}" in line:
             break
     half = leftovers(docker_engine, "dhalf")
+    adopted = nt.snapshot("dhalf")["namespaces"]
     p.send_signal(signal.SIGKILL)
     p.wait(10)
-    assert half["networks"] and 0 < len(half["containers"]) < 6, half  # of 4 nodes, agent, prometheus  # it died half way
+    if phase == "docker-containers":
+        assert 0 < len(half["containers"]) < 4 and not adopted, half  # of 4 nodes: it died half way
+    else:
+        assert len(half["containers"]) == 4 and len(adopted) == 5, (half, adopted)  # 4 containers' + the switch's
     r = run_nbox("down", "dhalf")
     assert r.returncode == 0, r.stderr
     assert leftovers(docker_engine, "dhalf") == {"containers": [], "networks": [], "processes": []}
     assert host_veths() <= veths
+    assert nt.snapshot("dhalf") == before
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (1.29, Debian's) is not installed")

@@ -100,7 +100,8 @@ def down_cmd(name: Optional[str] = typer.Argument(None, help="Cluster name (defa
     for n in (list_clusters() if all_ else [_pick(name)]):
         r = down(n, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
         if "containers" in r:  # the docker runtime's objects
-            console.print(f"cluster {n}: removed {r['containers']} containers, {r['networks']} networks")
+            console.print(f"cluster {n}: removed {r['containers']} containers, {r['networks']} networks, "
+                          f"{r['namespaces']} namespaces, ended {r['processes']} processes")
         else:
             console.print(f"cluster {n}: removed {r['namespaces']} namespaces, ended {r['processes']} processes")
 

@@ -1,19 +1,22 @@
 """The docker runtime of ``nbox up``: the compose project of ``compose.py``, run by a Docker engine.
 
 Host side (``up``, ``down``, ``status``, ``exec_in``): the project is rendered into the cluster's
-state directory (``<state>/<name>/compose/``) and brought up through the Docker SDK
-(``pip install 'neuronabox[docker]'``, imported lazily), the one way neuronabox talks to the
-engine (``client()``), which creates the network and containers of the rendered compose file.
-Its images come from ``nbox images build`` (``images.py``); ``docker-compose``/``docker compose``
-run the same rendered project by hand (``nbox compose``). As
-for the other runtimes, the state file names every object before it is created (the
-``docker`` field: driver, project, networks, containers) and every object carries the label
-``nbox.cluster=<name>``, so ``down`` removes everything after a crash or a ``kill -9`` of
-``up``, and a failed ``up`` takes back what it made. No engine answering is an InputError
-that names the socket, raised before anything is written.
+state directory (``<state>/<name>/compose/``) and its node services are started through the Docker
+SDK (``pip install 'neuronabox[docker]'``, imported lazily), the one way neuronabox talks to the
+engine (``client()``), with no network (``network_mode: none``). Each container's network
+namespace is then bound by its pid to the name the netns runtime uses (``Namespace.adopt``) and
+``runtime._up_netns`` builds the topology in them: the same plan, veths, switch namespaces,
+tbf/htb, loss rules, delay relays and shaping agent as ``--runtime netns``, so links mean the same
+on both runtimes. Images come from ``nbox images build`` (``images.py``). As for the other
+runtimes, the state file names every object before it is created (the ``docker`` field: driver,
+project, containers; the netns kinds for the rest) and every container carries the label
+``nbox.cluster=<name>``, so ``down`` removes everything after a crash or a ``kill -9`` of ``up``,
+and a failed ``up`` takes back what it made. No engine answering is an InputError that names the
+socket, raised before anything is written.
 
-Container side (``python -m neuronabox.cluster.docker_runtime agent``): the shaping agent
-of a docker cluster. All nodes share one bridge, so a node's link is its ``eth0``; the agent
+Container side (``python -m neuronabox.cluster.docker_runtime agent``): the shaping agent of
+the ``nbox compose`` project only (compose cannot bind namespaces or run host relays). All nodes
+share one bridge, so a node's link is its ``eth0``; the agent
 finds each node's processes (it runs with ``pid: host``) by ``NBOX_CLUSTER``/``NBOX_NODE`` in
 their environment, enters ``/proc/<pid>/ns/net`` and puts tbf (and netem where the host
 kernel has it) on ``eth0`` through netlink. It serves ``GET /health``, ``GET /links``,
@@ -153,7 +156,10 @@ def up(
             if st.get("runtime") != "docker":
                 raise InputError(f"cluster {name!r} exists with runtime {st.get('runtime')!r}; "
                                  f"run `nbox down {name}` first or pick another --name")
-            if st.get("phase") == "up" and _running(st, cl):
+            from .runtime import _broken
+
+            # Up means every container running and the netns side whole (namespaces bound, the agent alive).
+            if st.get("phase") == "up" and _running(st, cl) and not _broken(st):
                 if st.get("topology_name") != topo.name:
                     raise InputError(f"cluster {name!r} is already up with topology {st.get('topology_name')!r}; "
                                      f"run `nbox down {name}` first or pick another --name")
@@ -178,10 +184,9 @@ def up(
                 "hosts": [{"node": n["name"], "ns": None, "address": n["address"], "index": n["index"],
                            "service": n["service"], "role": n["role"]} for n in ctx["nodes"]],
                 "links": [],
-            }, agent={"url": f"http://127.0.0.1:{ctx['agent_port']}"})
+            })
             say(f"rendered {len(rendered.files)} files into {project_dir}")
-            _sdk_up(cl, st, rendered, say)
-            _wait_shaped(f"http://127.0.0.1:{ctx['agent_port']}", len(ctx["nodes"]), say)
+            _sdk_up(cl, st, topo, rendered, subnet or DEFAULTS["subnet"], say)
             st.set(phase="up", up_seconds=time.perf_counter() - t0)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -253,20 +258,40 @@ def service_kwargs(project: str, svc_name: str, svc: dict, net_name: str, base: 
 OPTIONAL_SERVICES = ("grafana",)
 
 
-def _sdk_up(client, st: ClusterState, rendered, say) -> None:
+def _wait_address(cmd, address: str) -> list[str]:
+    """``cmd`` (a list or a shell string) run once the node's address is on its lo: the netns plan adds it after start."""
+    argv = cmd if isinstance(cmd, list) else ["sh", "-c", cmd]
+    wait = f"until ip -4 -o addr show dev lo | grep -q 'inet {address}/'; do sleep 0.05; done; exec \"$@\""
+    return ["sh", "-c", wait, "sh", *argv]
+
+
+# The rendered project's services that `nbox up` starts: the nodes. The shaping agent is the netns
+# runtime's, on the host (agent.py), and there is no engine network for Prometheus to scrape across.
+def _node_services(ctx: dict) -> list[str]:
+    return [n["service"] for n in ctx["nodes"]]
+
+
+def _sdk_up(client, st: ClusterState, topo, rendered, subnet: str, say) -> None:
+    """Start the node containers with no network, adopt their namespaces and give them the netns runtime's links."""
     import yaml
 
+    from .netns import plan_network
+    from .runtime import _fault_point, _up_netns
+
     spec = yaml.safe_load(rendered.compose_file.read_text())
+    ctx = rendered.context
     project = st["docker"]["project"]
-    netspec = spec["networks"]["cluster"]
-    net_name = netspec.get("name", f"{project}-cluster")
-    services = _startable(client, spec, say)
-    ipam = netspec.get("ipam", {}).get("config", [{}])[0]
-    # Clashes are the user's to settle (exit 2), found before anything is made.
-    clash = _overlapping_network(client, ipam.get("subnet"))
+    wanted = set(_node_services(ctx))
+    services = [svc for svc in _startable(client, {"services": {k: v for k, v in spec["services"].items() if k in wanted}}, say)]
+    # Clashes are the user's to settle (exit 2), found before anything is made. The cluster has no
+    # engine network now, but an overlap would make its addresses ambiguous to anyone reading both.
+    clash = _overlapping_network(client, subnet)
     if clash:
-        raise InputError(f"--subnet {ipam.get('subnet')}: overlaps the docker network {clash}; "
+        raise InputError(f"--subnet {subnet}: overlaps the docker network {clash}; "
                          f"pick another --subnet or remove that network")
+    plan = plan_network(topo, st.name, subnet)
+    addr = dict(plan.node_addr)
+    node_of = {n["service"]: n["name"] for n in ctx["nodes"]}
     names = {svc_name: f"{project}-{svc_name}" for svc_name in services}
     from docker.errors import NotFound
 
@@ -276,22 +301,30 @@ def _sdk_up(client, st: ClusterState, rendered, say) -> None:
             raise InputError(f"--name {st.name}: a container named {cname!r} already exists "
                              f"(not this cluster's: {other.labels.get(LABEL, 'no nbox label')}); "
                              f"remove it or pick another --name")
-    st.data["docker"]["networks"].append(net_name)
     st.data["docker"]["containers"] = list(names.values())
     st.save()
-    client.networks.create(
-        net_name, driver="bridge", labels={LABEL: st.name},
-        ipam={"Driver": "default", "Config": [{"Subnet": ipam.get("subnet"), "Gateway": ipam.get("gateway")}]},
-    )
-    say(f"starting {len(names)} containers on {net_name}")
-    from .runtime import _fault_point
+    say(f"starting {len(names)} containers (no network: the netns plan gives them their links)")
+    pids: dict[str, int] = {}
 
     def start(svc_name: str) -> None:
-        client.containers.run(**service_kwargs(project, svc_name, spec["services"][svc_name], net_name, rendered.out_dir))
+        svc = spec["services"][svc_name]
+        kw = service_kwargs(project, svc_name, svc, "none", rendered.out_dir)
+        node = node_of[svc_name]
+        for key in ("network", "networking_config", "ports"):
+            kw.pop(key, None)
+        kw["network_mode"] = "none"
+        kw["environment"]["NBOX_NODE_ADDR"] = addr[node]
+        if svc.get("command") is not None and "--address" in str(svc.get("command")):
+            kw["command"] = [a.replace(f"--address {svc['environment']['NBOX_NODE_ADDR']}", f"--address {addr[node]}")
+                             for a in kw["command"]]
+        kw["command"] = _wait_address(kw.get("command") or ["sleep", "infinity"], addr[node])
+        c = client.containers.run(**kw)
+        c.reload()
+        pid = int(c.attrs["State"].get("Pid") or 0)
+        if pid <= 0:  # it ended at once: nothing to adopt, and its log says why
+            raise RunFailed(f"--runtime docker: container {c.name} exited at start ({c.status}); docker logs {c.name}")
+        pids[svc_name] = pid
 
-    # The agent first: it shapes each node as that node comes up, while the others start.
-    services = sorted(services, key=lambda svc: svc != "agent")
-    # The engine serialises little of a container's start: several at once.
     half = len(services) // 2
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="nbox-docker-up") as pool:
         for i, batch in enumerate((services[:half], services[half:])):
@@ -299,26 +332,18 @@ def _sdk_up(client, st: ClusterState, rendered, say) -> None:
                 f.result()
             if i == 0:
                 _fault_point("docker-containers")  # crash tests kill -9 `up` here, half the containers made
-
-
-def _wait_shaped(url: str, nodes: int, say, timeout: float = 60.0) -> None:
-    """Wait until the agent has found and shaped every node: `up` returns with the links as the topology says."""
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    health: dict = {}
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                health = json.load(resp)
-            if health.get("errors"):
-                node, err = next(iter(health["errors"].items()))
-                raise RunFailed(f"--runtime docker: the agent could not shape {node}: {err}")
-            if len(health.get("nodes") or {}) == nodes:
-                return
-        time.sleep(0.1)
-    raise RunFailed(f"--runtime docker: the agent at {url} shaped {len(health.get('nodes') or {})} of {nodes} nodes "
-                    f"in {timeout:.0f} s (docker logs of the agent container say why)")
+    adopt = {plan.node_ns[node_of[svc]]: pid for svc, pid in pids.items()}
+    _up_netns(st, topo, subnet, shape=True, rate_kind="tbf", agent=True, say=say, plan=plan, adopt=adopt)
+    svc_of = {v: k for k, v in node_of.items()}
+    for h in st.data["plan"]["hosts"]:
+        h["service"] = svc_of[h["node"]]
+        h["role"] = next(n["role"] for n in ctx["nodes"] if n["name"] == h["node"])
+    st.save()
+    # Node names resolve in the containers as in the netns runtime's namespaces (docker's DNS needs its network).
+    lines = " ".join(f"'{a}\t{n}'" for n, a in addr.items())
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="nbox-docker-hosts") as pool:
+        list(pool.map(lambda c: client.containers.get(c).exec_run(["sh", "-c", f"printf '%b\\n' {lines} >> /etc/hosts"]),
+                      names.values()))
 
 
 def _startable(client, spec: dict, say) -> list[str]:
@@ -377,11 +402,15 @@ def down(name: str, keep_lock: bool = False) -> dict:
             with contextlib.suppress(Exception):
                 n.remove()
                 removed["networks"] += 1
+    # Then what the netns plan made in the containers' namespaces: the host's agent and relays,
+    # and the namespaces' names (unbound; each namespace went with its container).
+    from .runtime import down_network
+
+    net = down_network(st)
     if d.get("dir"):
         shutil.rmtree(d["dir"], ignore_errors=True)
     st.remove_files(keep_lock=keep_lock)
-    # processes and namespaces: the keys `nbox down` prints for the other runtimes.
-    return {"name": name, **removed, "processes": 0, "namespaces": 0}
+    return {"name": name, **removed, **net}
 
 
 def exec_in(name: str, host: dict, cmd: list[str], env: dict | None = None, capture_output: bool = False,
@@ -441,6 +470,16 @@ def status(name: str) -> dict:
     states = _containers(st, _client(10))
     recorded = d.get("containers") or sorted(states or {})
     running = sum(1 for c in recorded if (states or {}).get(c) == "running")
+    from .netns import Namespace
+    from .runtime import _alive, _health
+
+    plan = st.get("plan") or {}
+    present = sum(1 for x in st["namespaces"] if Namespace(x["name"]).exists())
+    agents = [p for p in st["processes"] if p.get("role") == "agent"]
+    health = _health(st) if st.get("phase") == "up" else {"healthy": False, "problem": f"phase {st.get('phase')!r}"}
+    if health["healthy"] and (states is None or running != len(recorded)):
+        health = {"healthy": False, "problem": f"{len(recorded) - running} of {len(recorded)} containers are not running; "
+                                               f"`nbox up {st.get('topology')} --runtime docker --name {name}` rebuilds it"}
     return {
         "name": name,
         "runtime": "docker",
@@ -448,20 +487,18 @@ def status(name: str) -> dict:
         "topology": st.get("topology"),
         "project": d.get("project"),
         "nodes": len((st.get("plan") or {}).get("hosts", [])),
-        "links": 0,
-        "namespaces": "-",
+        "links": len(plan.get("links", [])),
+        "namespaces": f"{present}/{len(st['namespaces'])}",
         "containers": f"{running}/{len(recorded)}" if states is not None else f"?/{len(recorded)} (no engine)",
-        "agent": (st.get("agent") or {}).get("url"),
-        "healthy": st.get("phase") == "up" and states is not None and running == len(recorded) > 0,
+        "agent": (st.get("agent") or {}).get("url") if any(_alive(p) for p in agents) else None,
+        **health,
     }
 
 
 def _result(st: ClusterState, seconds: float = 0.0, already_up: bool = False, notes=()):
-    from .runtime import UpResult
+    from .runtime import _result as netns_result
 
-    plan = st.get("plan") or {}
-    return UpResult(st.name, "docker", plan.get("hosts", []), [], (st.get("agent") or {}).get("url"), seconds,
-                    already_up, list(notes))
+    return netns_result(st, seconds, already_up, notes)
 
 
 # ---- the agent inside the cluster -------------------------------------------------------------------

@@ -146,6 +146,25 @@ class Namespace:
                     os.unlink(self.path)
                 raise
 
+    def adopt(self, pid: int) -> None:
+        """Bind the network namespace of process ``pid`` (a container's) to this name, as `ip netns attach` does.
+
+        The docker runtime's containers start with no network (Containernet's way); adopted, their
+        namespaces take the same plan, veths, qdiscs and relays as namespaces this module creates,
+        and ``delete`` unbinds them (the namespace then lives as long as the container does).
+        """
+        with _ns_lock:
+            _prepare_rundir()
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0)
+            os.close(fd)
+            try:
+                _check(_libc.mount(f"/proc/{pid}/ns/net".encode(), self.path.encode(), b"none", MS_BIND, None),
+                       f"bind the namespace of pid {pid} to {self.path}")
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+                raise
+
     @property
     def hosts_file(self) -> str:
         """The namespace's own /etc/hosts (``write_hosts``), bound over /etc/hosts for processes started in it."""
@@ -688,13 +707,22 @@ _SYSCTL_NODE = {
 }
 
 
-def build_network(plan: NetworkPlan, state, progress=None) -> None:
-    """Create the plan's namespaces, links, bridges, addresses, routes and rules, recording each first."""
+def build_network(plan: NetworkPlan, state, progress=None, adopt: dict[str, int] | None = None) -> None:
+    """Create the plan's namespaces, links, bridges, addresses, routes and rules, recording each first.
+
+    ``adopt``: namespace name -> pid of a process whose namespace becomes that one instead of a new
+    one (a docker node's container); the others are created.
+    """
     say = progress or (lambda msg: None)
-    state.record("namespaces", [{"name": p.name, "kind": p.kind, "vertex": p.vertex} for p in plan.namespaces])
+    adopt = adopt or {}
+    state.record("namespaces", [{"name": p.name, "kind": p.kind, "vertex": p.vertex,
+                                 **({"adopted": adopt[p.name]} if p.name in adopt else {})} for p in plan.namespaces])
     nss = {p.name: Namespace(p.name) for p in plan.namespaces}
     for p in plan.namespaces:
-        nss[p.name].create()
+        if p.name in adopt:
+            nss[p.name].adopt(adopt[p.name])
+        else:
+            nss[p.name].create()
         # IPv6 off before any interface exists: no DAD or router solicitations in the counters.
         nss[p.name].sysctl(_SYSCTL_NODE)
     say(f"{len(nss)} namespaces")

@@ -213,8 +213,10 @@ def _up_local(st: ClusterState, topo) -> None:
     st.set(plan={"hosts": nodes, "links": [], "subnet": "127.77.0.0/16"}, shapes={})
 
 
-def _up_netns(st: ClusterState, topo, subnet: str, shape: bool, rate_kind: str, agent: bool, say) -> None:
-    plan = plan_network(topo, st.name, subnet)
+def _up_netns(st: ClusterState, topo, subnet: str, shape: bool, rate_kind: str, agent: bool, say,
+              plan=None, adopt: dict[str, int] | None = None) -> None:
+    """The netns runtime's network, shaping and agent; ``plan``/``adopt``: the docker runtime's containers' namespaces."""
+    plan = plan or plan_network(topo, st.name, subnet)
     netem = has_netem()
     shapes = {
         lk.id: [LinkShape(lk.rate if shape else 0.0, lk.delay_ab, lk.jitter, lk.loss),
@@ -247,7 +249,7 @@ def _up_netns(st: ClusterState, topo, subnet: str, shape: bool, rate_kind: str, 
         if msg.endswith("namespaces"):
             _fault_point("namespaces")
 
-    build_network(plan, st, progress)
+    build_network(plan, st, progress, adopt=adopt)
     _fault_point("network")
 
     # Rate: the egress qdisc of each end. Recorded first, like everything else.
@@ -469,13 +471,20 @@ def down(name: str, timeout: float = 3.0, keep_lock: bool = False, progress=None
 
 
 def _down(name: str, timeout: float, keep_lock: bool) -> dict:
-    import psutil
-
     st = ClusterState.load(valid_name(name))
     if st.get("runtime") == "docker":
         from .docker_runtime import down as docker_down
 
         return docker_down(name, keep_lock=keep_lock)
+    out = down_network(st, timeout)
+    st.remove_files(keep_lock=keep_lock)
+    return {"name": name, **out}
+
+
+def down_network(st: ClusterState, timeout: float = 3.0) -> dict:
+    """End the cluster's processes (recorded, by token, inside its namespaces) and delete or unbind its namespaces."""
+    import psutil
+
     names = [n["name"] for n in st["namespaces"]]
     victims: dict[int, psutil.Process] = {}
     for p in st["processes"]:
@@ -503,8 +512,7 @@ def _down(name: str, timeout: float, keep_lock: bool) -> dict:
             proc.kill()
     psutil.wait_procs(alive, timeout=timeout)
     removed = remove_namespaces(names)
-    st.remove_files(keep_lock=keep_lock)
-    return {"name": name, "processes": len(victims), "namespaces": removed}
+    return {"processes": len(victims), "namespaces": removed}
 
 
 # ---- status and exec --------------------------------------------------------------------------------
