@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -128,6 +129,88 @@ def private_cluster_state(tmp_path_factory, prefix: str):
 
 
 # ---- a Docker engine for the docker runtime's tests ---------------------------------------------------
+class _Engine:
+    """The engine of this session: a client, the dockerd started here (if any), and the early image build."""
+
+    client = None
+    started: subprocess.Popen | None = None
+    skip: str | None = None
+    build = None  # a Future of images.build(), started as soon as the docker tests are collected
+
+
+def _start_engine() -> None:
+    """Find an engine that answers, else start dockerd (as root); ``_Engine.skip`` says why neither."""
+    import shutil
+    import tempfile
+    import time
+
+    from neuronabox.cluster.docker_runtime import docker_sdk, engine_answers
+
+    sdk = docker_sdk()
+    if sdk is None:
+        _Engine.skip = "the Docker SDK is not installed (pip install 'neuronabox[docker]')"
+        return
+    if not engine_answers()[0]:
+        exe = shutil.which("dockerd")
+        if os.geteuid() != 0 or exe is None or os.environ.get("DOCKER_HOST"):
+            _Engine.skip = "no Docker engine answers and none can be started here (needs root and dockerd: make sysdeps)"
+            return
+        log = tempfile.NamedTemporaryFile(prefix="nbox-test-dockerd-", suffix=".log", delete=False)
+        # Its own session, so that a Ctrl-C of pytest does not reach it before the clean-up below.
+        _Engine.started = subprocess.Popen([exe], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not engine_answers()[0]:
+            if _Engine.started.poll() is not None or time.monotonic() > deadline:
+                _Engine.started.kill()
+                _Engine.started = None
+                _Engine.skip = None
+                raise RuntimeError(f"dockerd did not answer (its log: {log.name})")
+            time.sleep(0.2)
+    _Engine.client = sdk.from_env(timeout=300)
+
+
+def pytest_collection_finish(session) -> None:
+    """With the docker tests selected, start the engine and the (cold: minutes) image build now, beside the rest.
+
+    A cold build mostly waits on the Debian mirror; made while the tests before the docker ones
+    run, it costs the suite little of its 2-3 minutes."""
+    if session.config.option.collectonly or os.geteuid() != 0:
+        return
+    if not any(i.nodeid.startswith("tests/test_docker_engine.py") for i in session.items):
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        _start_engine()
+    except RuntimeError:
+        return  # the fixture tries again and fails with the reason
+    if _Engine.client is None:
+        return
+    from neuronabox.cluster import images
+
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "nbox-test-images-build.log"), "w")  # noqa: SIM115
+    pool = ThreadPoolExecutor(1, thread_name_prefix="nbox-images-build")
+    _Engine.build = pool.submit(images.build, client=_Engine.client, progress=lambda m: print(m, file=log, flush=True))
+    pool.shutdown(wait=False)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Stop the dockerd this session started (after the early build, which a stop would otherwise break)."""
+    import signal
+
+    if _Engine.build is not None:
+        with contextlib.suppress(Exception):
+            _Engine.build.result(timeout=600)
+    started, _Engine.started = _Engine.started, None
+    if started is not None:
+        started.send_signal(signal.SIGTERM)
+        try:
+            started.wait(60)
+        except subprocess.TimeoutExpired:
+            started.kill()
+            started.wait(10)
+
+
 @pytest.fixture(scope="session")
 def docker_engine():
     """A Docker SDK client of an engine that answers: the one running, else a dockerd started here (as root)
@@ -136,37 +219,21 @@ def docker_engine():
     dockerd keeps its iptables as it found them working: FORWARD policy DROP and its DOCKER chains stay
     after it stops (dockerd's own doing, as on any host that ran it); the netns runtime's tests pass
     with them, since its forwarding happens inside its own namespaces, whose iptables are their own."""
-    import shutil
-    import signal
-    import tempfile
-    import time
+    if _Engine.client is None:
+        try:
+            _start_engine()
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+    if _Engine.client is None:
+        pytest.skip(_Engine.skip or "no Docker engine")
+    return _Engine.client
 
-    from neuronabox.cluster.docker_runtime import docker_sdk, engine_answers
 
-    sdk = docker_sdk()
-    if sdk is None:
-        pytest.skip("the Docker SDK is not installed (pip install 'neuronabox[docker]')")
-    started = None
-    if not engine_answers()[0]:
-        exe = shutil.which("dockerd")
-        if os.geteuid() != 0 or exe is None or os.environ.get("DOCKER_HOST"):
-            pytest.skip("no Docker engine answers and none can be started here (needs root and dockerd: make sysdeps)")
-        log = tempfile.NamedTemporaryFile(prefix="nbox-test-dockerd-", suffix=".log", delete=False)
-        # Its own session, so that a Ctrl-C of pytest does not reach it before the clean-up below.
-        started = subprocess.Popen([exe], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while not engine_answers()[0]:
-            if started.poll() is not None or time.monotonic() > deadline:
-                started.kill()
-                pytest.fail(f"dockerd did not answer (its log: {log.name})")
-            time.sleep(0.2)
-    try:
-        yield sdk.from_env(timeout=300)
-    finally:
-        if started is not None:
-            started.send_signal(signal.SIGTERM)
-            try:
-                started.wait(60)
-            except subprocess.TimeoutExpired:
-                started.kill()
-                started.wait(10)
+@pytest.fixture(scope="session")
+def docker_images(docker_engine):
+    """The images of the docker runtime, built once (early, when the docker tests were collected as root)."""
+    from neuronabox.cluster import images
+
+    if _Engine.build is not None:
+        return _Engine.build.result()
+    return images.build(client=docker_engine, progress=lambda m: print(m, file=sys.stderr))

@@ -36,11 +36,10 @@ PORTS = {"agent_port": 19465, "prometheus_port": 19090, "metrics_port": 19464}
 
 
 @pytest.fixture(scope="module")
-def built(docker_engine):
-    """The three images, built once for the whole run (a second build finds them: seconds)."""
+def built(docker_images):
+    """The three images, built once for the whole run (conftest starts it early; a second build finds them: seconds)."""
     t0 = time.perf_counter()
-    out = images.build(client=docker_engine, progress=lambda m: print(m, file=sys.stderr))
-    return {b.name: b for b in out}, time.perf_counter() - t0
+    return {b.name: b for b in docker_images}, time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +66,7 @@ def host_veths() -> set[str]:
 def test_images_are_built_once_and_found_the_second_time(built, docker_engine):
     first, seconds = built
     assert set(first) == {"stub", "node", "prometheus"}
-    print(f"\nfirst build {seconds:.1f} s ({', '.join(f'{b.name} {b.size / 1e6:.0f} MB' for b in first.values())})")
+    print(f"\nwaited {seconds:.1f} s for the session's build ({', '.join(f'{b.name} {b.size / 1e6:.0f} MB' for b in first.values())})")
     assert first["stub"].size <= 150e6, first["stub"]
     t0 = time.perf_counter()
     again = images.build(client=docker_engine)
