@@ -5,7 +5,7 @@ started by ``nbox up`` for the ring neighbours of the topology's real ranks, or 
 a real rank that needs another node (a sub-group's neighbours). Each is recorded in the
 state file before it starts, so ``nbox down`` ends it. A stub imports neither torch nor any
 model: the real rank tells it, per collective, which bytes to send and when (the protocol is
-described in ``neuronabox.emu.wire``). It serves any number of real-rank sessions.
+described in ``neuronabox.wireproto``). It serves any number of real-rank sessions.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 import uuid
 from pathlib import Path
 
-from ..emu.wire import FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, STUB_PORT, recv_exact, recv_msg, send_msg
 from ..errors import InputError, RunFailed
+from ..wireproto import FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, STUB_PORT, recv_exact, recv_msg, send_msg
 from .state import ClusterState
 
 __all__ = ["neighbour_nodes", "start_stubs", "ensure_stub", "stub_files", "main"]
