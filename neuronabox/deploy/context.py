@@ -210,11 +210,9 @@ def plan_deploy(
 
 
 def _dump(topology) -> str:
-    import yaml
+    from ..topology.resolve import dump_yaml
 
-    from ..emu.runner import _jsonable
-
-    return yaml.safe_dump(_jsonable(topology.raw), sort_keys=False)
+    return dump_yaml(topology)
 
 
 def _number(value: float) -> str:

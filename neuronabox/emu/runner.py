@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
-
 from ..errors import InputError
 from ..runfiles import owned_tempdir
 from ..topology import Topology
+from ..topology.resolve import dump_yaml
 from .emulator import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY
 from .guard import ENV_PARENT, die_with_parent
 from .launch import child_pythonpath, prepare_env
@@ -74,7 +73,7 @@ def _add_backend(env: dict[str, str], topology_file: Path, model: str | None) ->
 def _write_topology(folder: str, topology: Topology) -> Path:
     """The effective topology (what-ifs applied) as the YAML file the child reads."""
     path = Path(folder) / "topology.yaml"
-    path.write_text(yaml.safe_dump(_jsonable(topology.raw), sort_keys=False), encoding="utf-8")
+    path.write_text(dump_yaml(topology), encoding="utf-8")
     return path
 
 
@@ -321,12 +320,3 @@ def _wait(child: subprocess.Popen, grace: float) -> tuple[int, str | None]:
                 stopped_by = stopped_by or "SIGINT"
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _jsonable(value: Any) -> Any:
-    """The raw topology with enum keys (from what-if merges) turned back into YAML scalars."""
-    if isinstance(value, dict):
-        return {(k.value if hasattr(k, "value") else k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value.value if hasattr(value, "value") else value

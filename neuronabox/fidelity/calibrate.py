@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 from ..collectives import Op
 from ..errors import InputError, RunFailed
-from .fit import OpFit, Segment, fit_piecewise, ring_terms
+from ..model.profile import OpFit, Segment, ring_terms
+from .fit import fit_piecewise
 from .measure import WorkerPlan
 from .profile import library_info, make_profile
 
