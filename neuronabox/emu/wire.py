@@ -48,14 +48,36 @@ import threading
 import time
 import uuid
 import warnings
+from typing import Callable
 
 from ..wireproto import (FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, SLICE, STUB_PORT, recv_exact, recv_msg,
                          send_msg)
 
 __all__ = [
     "STUB_PORT", "HELLO", "FRAME", "send_msg", "recv_msg", "recv_exact", "WireClient", "WireStall", "ENV_WIRE",
-    "ENV_CLUSTER", "ENV_TIMEOUT", "stall_timeout",
+    "ENV_CLUSTER", "ENV_TIMEOUT", "stall_timeout", "StubLocator", "use_stubs",
 ]
+
+# node -> {"control": Unix socket path, "port": data port, "address": the node's address} of that
+# node's stub, started if it is not. The cluster side provides it (neuronabox.cluster.stub.stub_locator),
+# registered by the process's start-up (neuronabox.launcher.child) with ``use_stubs``: the
+# emulator is given where the stubs are rather than importing the cluster.
+StubLocator = Callable[[str], dict]
+_locator_factory: "Callable[[str], StubLocator] | None" = None
+
+
+def use_stubs(factory: "Callable[[str], StubLocator]") -> None:
+    """Register how a cluster's stubs are found: ``factory(cluster)`` returns a ``StubLocator``."""
+    global _locator_factory
+    _locator_factory = factory
+
+
+def _stub_locator(cluster: str) -> StubLocator:
+    if _locator_factory is None:
+        raise RuntimeError("nbox wire: NBOX_WIRE is set but this process was not started by nbox run "
+                           "(no stub locator registered)")
+    return _locator_factory(cluster)
+
 
 ENV_WIRE = "NBOX_WIRE"
 ENV_CLUSTER = "NBOX_CLUSTER"
@@ -278,13 +300,13 @@ class WireClient:
     The first lane is the client the backend calls; the others only run ops.
     """
 
-    def __init__(self, emulator, cluster: str, lanes: int = 1, _front: "WireClient | None" = None):
-        from ..cluster.state import ClusterState
-
+    def __init__(self, emulator, cluster: str, lanes: int = 1, _front: "WireClient | None" = None,
+                 locate: "StubLocator | None" = None):
         self.emu = emulator
         self.cluster = cluster
-        st = ClusterState.load(cluster)
-        self.hosts = {h["node"]: h for h in (st.get("plan") or {}).get("hosts", [])}
+        if locate is None:
+            locate = _front._locate if _front is not None else _stub_locator(cluster)
+        self._locate = locate
         self.session = uuid.uuid4().int & ((1 << 63) - 1)
         self.peers: dict[str, _Peer] = {}
         self.q: queue.SimpleQueue = _front.q if _front is not None else queue.SimpleQueue()
@@ -303,7 +325,7 @@ class WireClient:
         self._Work = _make_work_class()
         self.lanes: list[WireClient] = [self]
         if _front is None:
-            self.lanes += [WireClient(emulator, cluster, _front=self) for _ in range(max(1, lanes) - 1)]
+            self.lanes += [WireClient(emulator, cluster, _front=self, locate=locate) for _ in range(max(1, lanes) - 1)]
         self._thread = threading.Thread(target=self._loop, name=f"nbox-wire{'' if _front is None else len(_front.lanes)}",
                                         daemon=True)
         self._thread.start()
@@ -354,9 +376,7 @@ class WireClient:
         p = self.peers.get(node)
         if p is not None:
             return p
-        from ..cluster.stub import ensure_stub
-
-        info = ensure_stub(self.cluster, node)
+        info = self._locate(node)
         ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         ctl.settimeout(self.stall)
         try:
@@ -368,7 +388,7 @@ class WireClient:
                             f"({ENV_TIMEOUT}); see its log in the cluster's state directory") from None
         if not reply or reply.get("t") != "ok":
             raise ConnectionError(f"nbox wire: stub on {node} refused the session: {reply}")
-        addr = self.hosts[node]["address"]
+        addr = info["address"]
         socks = []
         for kind in (KIND_TO_STUB, KIND_FROM_STUB):
             s = socket.create_connection((addr, info["port"]), timeout=self.stall)

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..emu.environ import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY, child_pythonpath, prepare_env
+from ..emu.spawn import error_file
 from ..errors import InputError
 from ..runfiles import owned_tempdir
 from ..topology import Topology
 from ..topology.resolve import dump_yaml
-from .emulator import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY
+from .exits import describe_exit
 from .guard import ENV_PARENT, die_with_parent
-from .launch import child_pythonpath, prepare_env
-from .spawn import error_file
 
 __all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR"]
 
@@ -104,16 +104,6 @@ def python_script(command: Sequence[str]) -> str | None:
         elif not arg.startswith("-"):
             return arg
     return None
-
-
-def describe_exit(code: int) -> str:
-    """A process's end as a clause: ``exited with status 3``, ``was killed by SIGTERM``."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def run_command(
@@ -288,7 +278,7 @@ class _Stopping(Exception):
 
 def _wait(child: subprocess.Popen, grace: float) -> tuple[int, str | None]:
     """The child's exit status, and SIGINT or SIGTERM if nbox was stopped meanwhile."""
-    # Either signal is passed on, and the child writes its record before it dies (launch.autostart);
+    # Either signal is passed on, and the child writes its record before it dies (launcher.child.autostart);
     # one that does not end within the grace (stuck in a C call that never returns to Python) is
     # killed. Ctrl-C reaches the child by itself too (same process group) while `kill -INT` of nbox
     # does not: passing SIGINT on makes both the same, and autostart ignores the second copy.
