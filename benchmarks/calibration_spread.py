@@ -60,7 +60,8 @@ def main() -> int:
     args = parse_workload_args(p, "calibration_spread")
     if args is None:
         return 2
-    from neuronabox.fidelity.profile import load_profile, save_profile
+    from neuronabox.fidelity.profile import save_profile
+    from neuronabox.model.profile import load_profile
 
     systems = ["real"] + [f"profile {i}" for i in range(args.profiles)]
     runs: dict[str, list[float]] = {s: [] for s in systems}

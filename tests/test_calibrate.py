@@ -11,9 +11,10 @@ import pytest
 from neuronabox.collectives import Op
 from neuronabox.errors import InputError
 from neuronabox.fidelity.calibrate import default_sizes, parse_ops, parse_size_range
-from neuronabox.fidelity.fit import fit_piecewise, link_estimate, ring_terms
+from neuronabox.fidelity.fit import fit_piecewise, link_estimate
 from neuronabox.fidelity.measure import cpu_cost_rows
-from neuronabox.fidelity.profile import load_profile, make_profile, save_profile
+from neuronabox.fidelity.profile import make_profile, save_profile
+from neuronabox.model.profile import load_profile, ring_terms
 from neuronabox.model.registry import create_model
 
 from .conftest import topo

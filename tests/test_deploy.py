@@ -168,7 +168,7 @@ dist.destroy_process_group()
 def test_the_sbatch_script_runs_two_machines_through_the_real_nbox_run(tmp_path):
     """Two "machines" on this host: srun and scontrol stand in, nbox run and torch's c10d rendezvous are real."""
     pytest.importorskip("torch")
-    from neuronabox.emu.launch import free_port
+    from neuronabox.emu.environ import free_port
 
     (tmp_path / "train.py").write_text(ALLREDUCE)
     plan = plan_deploy(load_topology(CPU8), command=[sys.executable, str(tmp_path / "train.py")], nnodes=2,

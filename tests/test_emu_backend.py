@@ -21,7 +21,8 @@ from neuronabox.emu import api  # noqa: E402
 from neuronabox.emu import cuda_wait  # noqa: E402
 from neuronabox.emu.backend import NboxProcessGroup, NboxWork, UnsupportedCollective  # noqa: E402
 from neuronabox.emu.emulator import Emulator, set_current  # noqa: E402
-from neuronabox.emu.launch import install, prepare_env, uninstall  # noqa: E402
+from neuronabox.emu.environ import prepare_env  # noqa: E402
+from neuronabox.emu.launch import install, uninstall  # noqa: E402
 from neuronabox.model.base import CommModel, Estimate  # noqa: E402
 from neuronabox.topology import parse_topology  # noqa: E402
 
@@ -667,7 +668,7 @@ def test_unmodified_torchrun_script_in_a_subprocess(tmp_path):
         env["NBOX_MODEL"] = ""
         pytest.skip("alpha-beta model unavailable")
     out = subprocess.run(
-        [sys.executable, "-m", "neuronabox.emu.launch", str(script)], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "neuronabox.launcher.child", str(script)], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "OK 11 32 3 32" in out.stdout

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="hybrid collectives need torch")
 dist = torch.distributed
 
 from neuronabox.emu.hybrid import mirror_map, parse_real_ranks  # noqa: E402
-from neuronabox.emu.runner import child_env  # noqa: E402
+from neuronabox.launcher.runner import child_env  # noqa: E402
 from neuronabox.errors import InputError  # noqa: E402
 from neuronabox.topology import parse_topology  # noqa: E402
 

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch", reason="nbox run needs torch")
 
-from neuronabox.emu.elastic import LaunchOptions, choose_real_ranks, plan_launch, worker_env  # noqa: E402
+from neuronabox.launcher.elastic import LaunchOptions, choose_real_ranks, plan_launch, worker_env  # noqa: E402
 from neuronabox.errors import InputError  # noqa: E402
 from neuronabox.report.run_summary import summarize_ranks, summary_tables  # noqa: E402
 

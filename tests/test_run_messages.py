@@ -56,7 +56,7 @@ def test_report_and_trace_folders_are_made(topo, tmp_path):
 
 
 def test_python_script_finds_the_script_behind_interpreter_options():
-    from neuronabox.emu.runner import python_script
+    from neuronabox.launcher.runner import python_script
 
     assert python_script(["python3", "-u", "-W", "ignore", "t.py", "--x"]) == "t.py"
     assert python_script([PY, "t.py"]) == "t.py"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from neuronabox.emu.launch import free_port
+from neuronabox.emu.environ import free_port
 
 from .conftest import ROOT, run_nbox
 

@@ -108,17 +108,17 @@ def test_one_run_has_no_spread():
 
 
 def test_wire_availability_follows_nbox_run(monkeypatch):
-    from neuronabox.cli import run_cmd
+    from neuronabox.launcher import runner
 
     ok, why = val.wire_available()
     import inspect
 
-    has = {"cluster", "mode"} <= set(inspect.signature(run_cmd.run).parameters)
+    has = {"cluster", "mode"} <= set(inspect.signature(runner.run_command).parameters)
     assert ok is has and (why == "") is has
 
-    def run(topology, command): ...
+    def run_command(topology, command): ...
 
-    monkeypatch.setattr(run_cmd, "run", run)
+    monkeypatch.setattr(runner, "run_command", run_command)
     ok, why = val.wire_available()
     assert not ok and "--mode wire" in why
 
@@ -152,7 +152,7 @@ def test_record_only_mode_records_iterations_and_leaves_gloo_in_place(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(RECORDED)
     rec = tmp_path / "rec.json"
-    from neuronabox.emu.launch import free_port
+    from neuronabox.emu.environ import free_port
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(val.RECORD_ONLY_DIR), str(ROOT)]), "NBOX_RECORD_ONLY": "1",
            "NBOX_RECORD": str(rec), "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

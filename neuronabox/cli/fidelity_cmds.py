@@ -230,7 +230,8 @@ def calibrate(
         run_intra_node,
     )
     from ..fidelity.measure import pair_ratios
-    from ..fidelity.profile import load_profile, make_profile, profile_reference, save_profile, write_profile_field
+    from ..fidelity.profile import make_profile, profile_reference, save_profile, write_profile_field
+    from ..model.profile import load_profile
     from ..units import UnitError, format_duration, format_size, parse_duration
 
     lo, hi = parse_size_range(sizes)

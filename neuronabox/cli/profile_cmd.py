@@ -30,7 +30,7 @@ def profile(
     ),
 ) -> None:
     """Run the command once per role, as that role's first rank, and record each role's program."""
-    from ..emu.profiling import record_profile
+    from ..launcher.profiling import record_profile
     from ..emu.roles import deferred, parse_roles
     from ..model.registry import create_model
 

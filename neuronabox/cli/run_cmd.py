@@ -55,7 +55,7 @@ def run(
     ),
 ) -> None:
     """Run a training command as the real rank of TOPOLOGY; the rest of the cluster is emulated."""
-    from ..emu.runner import describe_exit, run_command
+    from ..launcher.runner import describe_exit, run_command
     from ..model.registry import create_model
     from ..report.run_summary import summarize, summary_tables
     from ..report.trace import write_trace
@@ -88,14 +88,14 @@ def run(
     if metrics_addr:
         _check_metrics_addr(metrics_addr, nproc_per_node, in_cluster=cluster is not None)
     extra_env = {"NBOX_METRICS_ADDR": metrics_addr} if metrics_addr else {}
-    from ..emu.elastic import LaunchOptions
+    from ..launcher.elastic import LaunchOptions
 
     launch = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, rdzv_id, max_restarts)
     if launch.elastic() and rank is not None:
         raise InputError("--rank: picks the one real rank; with --nproc-per-node/--nnodes the real ranks are the "
                          "topology's emulation.real_ranks or the first K ranks of the first N nodes")
     if role_profile is not None:
-        from ..emu.profiling import replay_env
+        from ..launcher.profiling import replay_env
 
         if launch.elastic():
             raise InputError("--role-profile: replay runs with one real rank; the others follow their roles' programs")
@@ -104,7 +104,7 @@ def run(
         extra_env.update(replay_env(role_profile, topo, command or []))
     with RunProgress(console, enabled=False if quiet else None):
         if launch.elastic():
-            from ..emu.runner import run_real_ranks
+            from ..launcher.runner import run_real_ranks
 
             result = run_real_ranks(topo, command or [], launch, cluster=cluster, mode=mode, extra_env=extra_env)
         else:

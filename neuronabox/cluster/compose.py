@@ -62,6 +62,7 @@ from typing import Any, Sequence
 import yaml
 
 from ..errors import InputError
+from ..topology.resolve import dump_yaml
 from .state import valid_name
 
 __all__ = ["render_compose", "compose_context", "templates_dir", "repo_root", "Rendered", "DEFAULTS"]
@@ -335,13 +336,11 @@ def render_compose(
 
 def _support_files(topo, out: Path, ctx: dict[str, Any]) -> list[str]:
     """The files the services mount, besides the rendered templates."""
-    from ..emu.runner import _jsonable
-
     files = []
     # The project's name for docker-compose 1.29 and v2 alike (1.29 refuses a top-level `name:`).
     (out / ".env").write_text(f"COMPOSE_PROJECT_NAME={ctx['project_name']}\n", encoding="utf-8")
     files.append(".env")
-    (out / "topology.yaml").write_text(yaml.safe_dump(_jsonable(topo.raw), sort_keys=False), encoding="utf-8")
+    (out / "topology.yaml").write_text(dump_yaml(topo), encoding="utf-8")
     files.append("topology.yaml")
     (out / "nbox").mkdir(exist_ok=True)
     cluster = {

@@ -5,7 +5,7 @@ started by ``nbox up`` for the ring neighbours of the topology's real ranks, or 
 a real rank that needs another node (a sub-group's neighbours). Each is recorded in the
 state file before it starts, so ``nbox down`` ends it. A stub imports neither torch nor any
 model: the real rank tells it, per collective, which bytes to send and when (the protocol is
-described in ``neuronabox.emu.wire``). It serves any number of real-rank sessions.
+described in ``neuronabox.wireproto``). It serves any number of real-rank sessions.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import time
 import uuid
 from pathlib import Path
 
-from ..emu.wire import FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, STUB_PORT, recv_exact, recv_msg, send_msg
 from ..errors import InputError, RunFailed
+from ..wireproto import FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, STUB_PORT, recv_exact, recv_msg, send_msg
 from .state import ClusterState
 
-__all__ = ["neighbour_nodes", "start_stubs", "ensure_stub", "stub_files", "main"]
+__all__ = ["neighbour_nodes", "start_stubs", "ensure_stub", "stub_locator", "stub_files", "main"]
 
 
 def stub_files(st: ClusterState, node: str) -> tuple[Path, Path]:
@@ -102,7 +102,7 @@ def start_stubs(st: ClusterState, nodes: list[str], timeout: float = 10.0) -> di
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBOX_")}
     env["NBOX_STATE_DIR"] = str(st.dir.parent)
     paths = env.get("PYTHONPATH", "").split(os.pathsep)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p and not p.rstrip("/").endswith("emu/autostart"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p and not p.rstrip("/").endswith("launcher/autostart"))
     for node in nodes:
         ctl, info = stub_files(st, node)
         for p in (ctl, info):
@@ -150,6 +150,21 @@ def ensure_stub(cluster: str, node: str) -> dict:
             if rec is not None and _alive(rec):
                 return info
         return start_stubs(st, [node])[node]
+
+
+def stub_locator(cluster: str):
+    """For a real rank in wire mode: node -> its stub's {pid, port, control, address}, started if it is not.
+
+    The plan's hosts are read now (InputError when ``cluster`` has no state), the stubs on first use.
+    """
+    st = ClusterState.load(cluster)
+    hosts = {h["node"]: h for h in (st.get("plan") or {}).get("hosts", [])}
+
+    def locate(node: str) -> dict:
+        info = ensure_stub(cluster, node)
+        return {**info, "address": hosts[node]["address"]}
+
+    return locate
 
 
 def revive_stubs(cluster: str) -> list[str]:

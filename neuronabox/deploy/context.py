@@ -139,7 +139,7 @@ def check_port(flag: str, port: int) -> int:
 
 def _choose_real_ranks(topology, nproc_per_node: int, nnodes: int) -> list[int]:
     """The world ranks ``nbox run`` will make real for N x K (its own rule, so both check the same way)."""
-    from ..emu.elastic import choose_real_ranks
+    from ..launcher.elastic import choose_real_ranks
 
     # --nproc-per-node/--nnodes name the flags of nbox run; here they are --nproc-per-node/--nodes.
     try:
@@ -210,11 +210,9 @@ def plan_deploy(
 
 
 def _dump(topology) -> str:
-    import yaml
+    from ..topology.resolve import dump_yaml
 
-    from ..emu.runner import _jsonable
-
-    return yaml.safe_dump(_jsonable(topology.raw), sort_keys=False)
+    return dump_yaml(topology)
 
 
 def _number(value: float) -> str:

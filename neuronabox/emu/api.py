@@ -18,7 +18,8 @@ from ..model.base import CommModel
 from ..topology import Topology, load_topology, topology_from_dict
 from . import emulator as _emulator
 from .emulator import Emulator
-from .launch import install, prepare_env, uninstall
+from .environ import prepare_env
+from .launch import install, uninstall
 from .timeline import Recorder, StragglerHook
 
 __all__ = ["init", "step", "recorder", "current", "shutdown"]

@@ -28,7 +28,7 @@ are kept as aliases for other torch versions.
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,11 @@ import torch.distributed as dist
 from ..collectives import Op
 from ..model.base import Group, rank_sequence
 from . import cuda_wait, start_gate
-from .emulator import Emulator, current
 from .group_table import TABLE
 from .timeline import OpRecord, Timeline, clock, sleep_until, tune_thread_timer_slack
+
+if TYPE_CHECKING:
+    from .emulator import Emulator
 
 __all__ = [
     "BACKEND_NAME", "NboxProcessGroup", "NboxWork", "ReplayedWork", "register", "create_process_group",
@@ -944,9 +946,16 @@ def _cuda_fallback(device: torch.device) -> None:
     torch.cuda.current_stream(device).synchronize()
 
 
+# Where a new group finds the process's emulator: given by whoever registers the backend
+# (launch.install passes emulator.current), so the backend imports nothing above the ops it runs.
+_emulator_source: Callable[[], Emulator] | None = None
+
+
 def create_process_group(dist_opts, backend_opts=None) -> NboxProcessGroup:
     """The creator registered with torch (``extended_api=True``: it receives the group's global ranks)."""
-    emu = current()
+    if _emulator_source is None:
+        raise RuntimeError("nbox: the backend was registered without an emulator (use neuronabox.emu.launch.install)")
+    emu = _emulator_source()
     size = dist_opts.group_size
     ranks = list(dist_opts.global_ranks_in_group) or range(size)
     if len(ranks) != size:
@@ -960,8 +969,10 @@ def create_process_group(dist_opts, backend_opts=None) -> NboxProcessGroup:
     return group
 
 
-def register() -> None:
-    """Register the ``nbox`` backend with torch.distributed (idempotent)."""
+def register(emulator_source: Callable[[], Emulator]) -> None:
+    """Register the ``nbox`` backend with torch.distributed (idempotent); new groups use ``emulator_source()``."""
+    global _emulator_source
+    _emulator_source = emulator_source
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu", "cuda"])

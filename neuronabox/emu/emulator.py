@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import recording
 from ..collectives import Op
 from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
@@ -27,15 +28,12 @@ from .host_coupling import HostCoupling, busy_rate_from_profile
 from .spin_stall import SpinStall
 from .straggler import ComputeSkew, compute_factors, role_factors
 from .timeline import Recorder, StragglerHook, Timeline, Waker
+from .environ import ENV_MODEL, ENV_REAL_RANK, ENV_REAL_RANKS, ENV_TOPOLOGY
 
 __all__ = [
     "Emulator", "current", "set_current", "sees_contention", "ENV_TOPOLOGY", "ENV_MODEL", "ENV_REAL_RANK", "ENV_REAL_RANKS",
 ]
 
-ENV_TOPOLOGY = "NBOX_TOPOLOGY"
-ENV_MODEL = "NBOX_MODEL"
-ENV_REAL_RANK = "NBOX_REAL_RANK"
-ENV_REAL_RANKS = "NBOX_REAL_RANKS"  # all real ranks of the run, "0,1,..." (hybrid collectives when several)
 
 
 class Emulator:
@@ -189,6 +187,9 @@ def sees_contention(model: CommModel) -> bool:
 
 
 _current: Emulator | None = None
+# Observers (the metrics exporter, the progress file) read the run through neuronabox.recording,
+# without importing this module: the global as it is, never one built from the environment.
+recording.publish(lambda: _current)
 
 
 def set_current(emulator: Emulator | None) -> None:

@@ -124,7 +124,7 @@ class Footprint:
 
     def __init__(self, per_op_s: float, per_byte_s: float, clock: Callable[[], float] = time.perf_counter,
                  scale: float = 1.0):
-        from ..fidelity.fit import ring_terms  # the calibration's closed forms (a layer above)
+        from ..model.profile import ring_terms  # the ring closed form the calibration fits
 
         self._ring_terms = ring_terms
         self.per_op_s = per_op_s

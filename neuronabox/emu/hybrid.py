@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ..collectives import Op
 from ..errors import InputError
 from .backend import NboxWork, UnsupportedCollective, _no_grad_call
+from .environ import ENV_REAL_RANKS, ENV_REAL_STORE, ENV_REAL_STORE_PREFIX, ENV_REAL_TIMEOUT
 from .hybrid_gloo import GlooRules
 from .timeline import OpRecord, Timeline, clock, sleep_until, tune_thread_timer_slack
 
@@ -52,10 +53,6 @@ __all__ = [
     "HybridContext", "HybridGroup", "HybridWork", "RealRankError", "parse_real_ranks", "mirror_map",
 ]
 
-ENV_REAL_RANKS = "NBOX_REAL_RANKS"
-ENV_REAL_STORE = "NBOX_REAL_STORE"
-ENV_REAL_STORE_PREFIX = "NBOX_REAL_STORE_PREFIX"
-ENV_REAL_TIMEOUT = "NBOX_REAL_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 EXIT_GRACE_S = 10.0  # how long a real rank waits at exit for the others (a dead one never comes)
 

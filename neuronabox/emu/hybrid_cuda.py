@@ -22,6 +22,7 @@ the others raise ``UnsupportedCollective``.
 from __future__ import annotations
 
 import datetime
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,10 @@ import torch.distributed as dist
 from ..collectives import Op
 from . import cuda_wait
 from .backend import NboxWork, UnsupportedCollective
-from .hybrid import HybridGroup
 from .hybrid_gloo import _base_op, _nbytes, _opts, _pre_reduce
+
+if TYPE_CHECKING:
+    from .hybrid import HybridGroup
 
 __all__ = ["NcclRules"]
 

@@ -1,6 +1,6 @@
 """Running an unmodified script as one rank of an emulated job: torchrun's environment, backend substitution.
 
-``prepare_env`` gives the environment torchrun would give the real rank. ``install`` makes
+``install`` makes
 ``init_process_group`` with ``"nccl"``, ``"gloo"``, ``None``, ``"cpu:gloo,cuda:nccl"`` (any
 backend, in fact) create ``nbox`` process groups, and so do ``new_group`` and
 ``init_device_mesh``: every group is created through ``distributed_c10d._new_process_group_helper``,
@@ -20,71 +20,15 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import socket
-import uuid
 import weakref
-from pathlib import Path
 
 import wrapt
 
-from ..topology import Topology
-from .emulator import ENV_REAL_RANK, current
+from .emulator import current
 from .group_table import TABLE
 from .spawn import enter_spawned_worker, error_file, is_spawned_worker
 
-__all__ = ["prepare_env", "install", "uninstall", "installed", "free_port", "run_script", "child_pythonpath"]
-
-# The folder holding the neuronabox package: a child process started from a checkout imports it from there.
-PACKAGE_PARENT = Path(__file__).resolve().parents[2]
-
-
-def child_pythonpath(*first: Path | str) -> str:
-    """A child process's PYTHONPATH: ``first`` (folders whose sitecustomize must run), this package's folder, then ours."""
-    ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return os.pathsep.join([str(p) for p in first] + [str(PACKAGE_PARENT)] + ours)
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def prepare_env(
-    topology: Topology,
-    real_rank: int = 0,
-    master_port: int | None = None,
-    *,
-    master_addr: str = "127.0.0.1",
-    run_id: str | None = None,
-) -> dict[str, str]:
-    """The environment torchrun sets for ``real_rank`` of the emulated world (strings, ready for ``os.environ``)."""
-    world = topology.world_size
-    if not 0 <= real_rank < world:
-        raise ValueError(f"real rank {real_rank} is outside the world of {world} ranks")
-    node = topology.node_of(real_rank)
-    port = master_port if master_port is not None else free_port()
-    return {
-        "RANK": str(real_rank),
-        "LOCAL_RANK": str(topology.local_rank(real_rank)),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(node.ranks),
-        "GROUP_RANK": str(node.index),
-        "GROUP_WORLD_SIZE": str(len(topology.nodes)),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(real_rank),
-        "ROLE_WORLD_SIZE": str(world),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_RUN_ID": run_id or f"nbox-{uuid.uuid4().hex[:12]}",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCH_DIST_INIT_BARRIER": "0",
-        ENV_REAL_RANK: str(real_rank),
-    }
-
+__all__ = ["install", "uninstall", "installed"]
 
 # What install() replaced: (module, attribute) -> original; empty when not installed.
 _originals: dict[tuple[object, str], object] = {}
@@ -119,7 +63,7 @@ def install() -> None:
 
     from .backend import BACKEND_NAME, NboxProcessGroup, register
 
-    register()
+    register(current)
     _saved_barrier.append(os.environ.get("TORCH_DIST_INIT_BARRIER"))
     os.environ["TORCH_DIST_INIT_BARRIER"] = "0"
 
@@ -372,134 +316,3 @@ def uninstall() -> None:
             os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
         else:
             os.environ["TORCH_DIST_INIT_BARRIER"] = value
-
-
-def run_script(argv: list[str]) -> None:
-    """Run ``argv[0]`` (a script path, or ``-m module``) as ``__main__`` with the nbox backend installed.
-
-    The child side of ``nbox run``: the parent sets ``prepare_env(...)`` plus ``NBOX_TOPOLOGY``
-    (and optionally ``NBOX_MODEL``); if ``NBOX_RECORD`` names a file, the recorder is written
-    there as JSON when the script ends, even by an exception or ``sys.exit``.
-    """
-    import runpy
-    import sys
-
-    if not argv:
-        raise SystemExit("usage: python -m neuronabox.emu.launch SCRIPT [ARGS...] | -m MODULE [ARGS...]")
-    autostart()
-    if argv[0] == "-m" and len(argv) > 1:
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
-
-
-def autostart() -> None:
-    """Install the backend in a process started by ``nbox run`` once it imports torch; write its record at exit."""
-    import atexit
-
-    # Importing torch costs 2.5-3 s of start-up on a 2-core machine: a process of the run that
-    # never imports it (a wrapper, a tool the script spawns) should not pay that.
-    wrapt.register_post_import_hook(_start_emulating, "torch")
-    out = os.environ.get("NBOX_RECORD")
-    if out:
-        # Read at exit: a worker the script spawned re-points NBOX_RECORD at its own file (spawn.py).
-        atexit.register(lambda: _write_record(os.environ.get("NBOX_RECORD") or out))
-        _record_on_sigterm(out)
-        _record_on_sigint(out)
-
-
-def _start_emulating(_torch) -> None:
-    from ..metrics import start_from_env
-
-    install()
-    start_from_env()  # the Prometheus exporter (NBOX_METRICS_ADDR) and the progress file, when asked for
-
-
-def _record_on_sigterm(path: str) -> None:
-    """Write the record before SIGTERM's default action, which ends the process without its atexit handlers."""
-    import signal
-    import threading
-
-    # Only where SIGTERM would simply kill: a script's own handler (set before or after this)
-    # keeps its meaning, and one that exits through sys.exit writes the record at exit anyway.
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
-
-    def on_term(signum, frame) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
-            _write_record(os.environ.get("NBOX_RECORD") or path)
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # and die by it, as before: the parent sees status -15
-
-    signal.signal(signal.SIGTERM, on_term)
-
-
-def _record_on_sigint(path: str) -> None:
-    """Ctrl-C: write the record and end as SIGINT's default action would, instead of a traceback from a collective."""
-    import signal
-    import threading
-
-    # A KeyboardInterrupt raised inside a collective that torch called from C++ (DDP's reducer)
-    # comes out as "RuntimeError: Cannot extract tensors from value: KeyboardInterrupt" and a
-    # 15-line traceback. A script's own SIGINT handler keeps its meaning; so does a process of
-    # the run that emulates nothing (a wrapper, a DataLoader worker forked from the rank).
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return
-    import sys
-
-    owner, busy = os.getpid(), []
-
-    def on_int(signum, frame) -> None:
-        emulator = sys.modules.get(__package__ + ".emulator")  # not imported: this process emulates nothing
-        if os.getpid() != owner or emulator is None or emulator._current is None:
-            raise KeyboardInterrupt
-        if busy:  # nbox run passes Ctrl-C on as well: the second copy must not cut the record short
-            return
-        busy.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            _write_record(path)
-        finally:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)  # the parent sees status -2, as after a plain Ctrl-C
-
-    signal.signal(signal.SIGINT, on_int)
-
-
-def _write_record(path: str) -> None:
-    import json
-
-    from . import emulator
-
-    emu = emulator._current
-    if emu is None:
-        return
-    rec = emu.recorder
-    rec.resolve()
-    data = {
-        "world_size": emu.world_size,
-        "real_rank": emu.real_rank,
-        "model": getattr(emu.model, "name", type(emu.model).__name__),
-        "iterations": rec.iteration_times(),
-        "device_iterations": rec.device_iteration_times(),
-        "communicators": {tl.name: list(tl.group.ranks) for tl in emu.timelines},
-        "ops": [r.as_dict(rec.t0) for r in rec.ops],
-    }
-    if emu.replay is not None:
-        data["roles"] = emu.replay.summary(rec.t0)
-        data["roles"]["_real"] = {"rank": emu.real_rank, "role": emu.replay.roles.role_of(emu.real_rank)}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-
-
-if __name__ == "__main__":
-    import sys
-
-    # Use the package's copy of this module, whose install() state the rest of nbox sees.
-    from neuronabox.emu.launch import run_script as _run_script
-
-    _run_script(sys.argv[1:])

@@ -52,7 +52,7 @@ def is_spawned_worker(world_size, rank) -> bool:
     import multiprocessing
 
     from . import emulator
-    from .elastic import ENV_ELASTIC
+    from .environ import ENV_ELASTIC
 
     if world_size in (-1, None) or rank in (-1, None) or not os.environ.get(emulator.ENV_TOPOLOGY):
         return False  # no nbox run around it (api.init in the script): nothing to map the worker onto
@@ -102,9 +102,8 @@ def enter_spawned_worker(rank: int, world_size: int, init_method: str | None) ->
 
 def _enter(rank: int, world: int, init_method: str | None) -> None:
     from ..topology.resolve import load_topology
-    from .elastic import ENV_REAL_RANKS, ENV_REAL_STORE, ENV_REAL_STORE_PREFIX
-    from .emulator import ENV_REAL_RANK, ENV_TOPOLOGY
-    from .launch import prepare_env
+    from .environ import ENV_REAL_RANK, ENV_REAL_RANKS, ENV_REAL_STORE, ENV_REAL_STORE_PREFIX, ENV_TOPOLOGY
+    from .environ import prepare_env
 
     topology = load_topology(os.environ[ENV_TOPOLOGY])
     base = int(os.environ.get(ENV_REAL_RANK, "0"))

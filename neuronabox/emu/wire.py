@@ -2,46 +2,10 @@
 
 The real rank executes its own part of each collective's ring schedule over TCP; the stub
 peers (``neuronabox.cluster.stub``, one process per node, started with the cluster) stand in
-for the emulated neighbours in their namespaces. This module holds the protocol, shared by
-both sides, and the real rank's client. It imports torch only inside the client's methods,
-so the stubs stay light.
+for the emulated neighbours in their namespaces. This module holds the real rank's client;
+it imports torch only inside the client's methods.
 
-Protocol (version 1)
-====================
-
-Two planes, like NCCL's bootstrap and data channels:
-
-*Control* — a Unix stream socket per stub, ``<state dir>/stub-<node>.sock``. It crosses no
-network link, so it adds no bytes to the link counters and no latency: in the emulated
-cluster every rank reaches a collective together, so telling a stub that a collective began
-must take no modeled time. Messages are framed as ``!I`` length + UTF-8 JSON; a message may
-carry file descriptors (SCM_RIGHTS):
-
-- ``{"t": "hello", "session": S, "rank": R, "clock": T}`` -> reply ``{"t": "ok"}``. One
-  session per real-rank process; ``clock`` is the sender's CLOCK_MONOTONIC, for a check.
-- ``{"t": "arena", "size": N}`` + one fd: a memfd holding the real rank's mirror data. The
-  stub maps it read-only; a bigger one replaces it (never while an op uses it).
-- ``{"t": "op", "seq": Q, "op": NAME, "sends": [[t, frame, offset, length, dep], ...]}``:
-  the frames this stub sends to the real rank for collective ``Q``. ``t`` is an absolute
-  CLOCK_MONOTONIC time (stubs share the host's kernel clock with the real rank; network
-  namespaces do not virtualise it): the earliest moment the model's timeline of the rest of
-  the cluster lets that frame leave. ``dep`` >= 0 also holds the frame until the stub has
-  received the real rank's frame ``(Q, dep)``: in a 2-rank ring the stub is both neighbours,
-  and what it forwards at step k is what it got from us at step k-1. -1: no such wait. The
-  payload is ``arena[offset:offset+length]``: mirror data, the bytes of the real rank's input.
-- ``{"t": "bye"}``: the session ends (EOF does the same).
-
-*Data* — TCP to the stub's node address, port ``STUB_PORT``, through the shaped links (and
-the agent's delay relay when the kernel has no netem). The real rank opens two connections
-per stub, each starting with the 13-byte hello ``!4sQB`` (``b"NBWH"``, session, kind):
-kind 1 carries the real rank's frames to the stub, which reads and discards them; kind 2
-carries the stub's frames to the real rank. A frame is the 16-byte header ``!IIQ`` (seq,
-frame, payload length) and the payload. A collective is identified by its ``seq`` (one
-counter per real-rank process; ops run in FIFO order on one wire thread), a transfer within
-it by ``frame``: ring step k, slice j of J is frame ``k*J + j`` (chunks are cut into slices
-of at most ``SLICE`` bytes, and each slice is forwarded as soon as it is reduced, the way
-NCCL pipelines a ring); a broadcast's slice j is frame j; a barrier's step k is frame k,
-with an empty payload. A stub drops what it receives, noting the last frame for ``dep``.
+The protocol (two planes, the frames, the hello) is described in ``neuronabox.wireproto``.
 
 Timing: the stub's send times are the model's per-step schedule (``Estimate.steps()``, the
 steps whose destination is the real rank) placed after the op's start as the emulated ranks
@@ -77,28 +41,44 @@ PREMUL_SUM/bitwise reductions, mixed dtypes) run in model mode, with one warning
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import queue
 import socket
-import struct
 import threading
 import time
 import uuid
 import warnings
+from typing import Callable
+
+from ..wireproto import (FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, SLICE, STUB_PORT, recv_exact, recv_msg,
+                         send_msg)
 
 __all__ = [
     "STUB_PORT", "HELLO", "FRAME", "send_msg", "recv_msg", "recv_exact", "WireClient", "WireStall", "ENV_WIRE",
-    "ENV_CLUSTER", "ENV_TIMEOUT", "stall_timeout",
+    "ENV_CLUSTER", "ENV_TIMEOUT", "stall_timeout", "StubLocator", "use_stubs",
 ]
 
-STUB_PORT = 15100
-MAGIC = b"NBWH"
-HELLO = struct.Struct("!4sQB")  # magic, session, kind
-FRAME = struct.Struct("!IIQ")  # seq, frame, payload bytes
-KIND_TO_STUB, KIND_FROM_STUB = 1, 2
-MAX_MSG = 64 << 20
-SLICE = 262144  # ring chunks travel in slices of at most this size, so a ring pipelines
+# node -> {"control": Unix socket path, "port": data port, "address": the node's address} of that
+# node's stub, started if it is not. The cluster side provides it (neuronabox.cluster.stub.stub_locator),
+# registered by the process's start-up (neuronabox.launcher.child) with ``use_stubs``: the
+# emulator is given where the stubs are rather than importing the cluster.
+StubLocator = Callable[[str], dict]
+_locator_factory: "Callable[[str], StubLocator] | None" = None
+
+
+def use_stubs(factory: "Callable[[str], StubLocator]") -> None:
+    """Register how a cluster's stubs are found: ``factory(cluster)`` returns a ``StubLocator``."""
+    global _locator_factory
+    _locator_factory = factory
+
+
+def _stub_locator(cluster: str) -> StubLocator:
+    if _locator_factory is None:
+        raise RuntimeError("nbox wire: NBOX_WIRE is set but this process was not started by nbox run "
+                           "(no stub locator registered)")
+    return _locator_factory(cluster)
+
+
 ENV_WIRE = "NBOX_WIRE"
 ENV_CLUSTER = "NBOX_CLUSTER"
 ENV_TIMEOUT = "NBOX_WIRE_TIMEOUT"
@@ -123,51 +103,6 @@ def stall_timeout() -> float:
 
         raise InputError(f"{ENV_TIMEOUT}: expected a positive number of seconds, got {raw!r}")
     return value
-
-
-# ---- control framing (both sides) ------------------------------------------------------------
-def send_msg(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
-    """Send one control message (length-prefixed JSON), with file descriptors if given."""
-    body = json.dumps(msg, separators=(",", ":")).encode()
-    data = struct.pack("!I", len(body)) + body
-    if fds:
-        socket.send_fds(sock, [data], fds)
-    else:
-        sock.sendall(data)
-
-
-def recv_exact(sock: socket.socket, n: int, buf: memoryview | None = None) -> memoryview | None:
-    """Read exactly ``n`` bytes (into ``buf`` when given); None on a clean EOF before the first byte."""
-    out = buf if buf is not None else memoryview(bytearray(n))
-    got = 0
-    while got < n:
-        k = sock.recv_into(out[got:n])
-        if not k:
-            if got == 0:
-                return None
-            raise ConnectionError(f"nbox wire: connection closed after {got} of {n} bytes")
-        got += k
-    return out[:n]
-
-
-def recv_msg(sock: socket.socket) -> tuple[dict | None, list[int]]:
-    """Receive one control message and the descriptors that came with it ((None, []) at EOF)."""
-    # The descriptors ride on the first bytes of a message, so read its length with recv_fds.
-    head, fds, _, _ = socket.recv_fds(sock, 4, 4)
-    if not head:
-        return None, []
-    if len(head) < 4:
-        rest = recv_exact(sock, 4 - len(head))
-        if rest is None:
-            raise ConnectionError("nbox wire: truncated control message")
-        head += bytes(rest)
-    (n,) = struct.unpack("!I", head)
-    if n > MAX_MSG:
-        raise ConnectionError(f"nbox wire: control message of {n} bytes")
-    body = recv_exact(sock, n)
-    if body is None:
-        raise ConnectionError("nbox wire: truncated control message")
-    return json.loads(bytes(body)), list(fds)
 
 
 def _send_frames(sock: socket.socket, header: bytes, payload) -> None:
@@ -365,13 +300,13 @@ class WireClient:
     The first lane is the client the backend calls; the others only run ops.
     """
 
-    def __init__(self, emulator, cluster: str, lanes: int = 1, _front: "WireClient | None" = None):
-        from ..cluster.state import ClusterState
-
+    def __init__(self, emulator, cluster: str, lanes: int = 1, _front: "WireClient | None" = None,
+                 locate: "StubLocator | None" = None):
         self.emu = emulator
         self.cluster = cluster
-        st = ClusterState.load(cluster)
-        self.hosts = {h["node"]: h for h in (st.get("plan") or {}).get("hosts", [])}
+        if locate is None:
+            locate = _front._locate if _front is not None else _stub_locator(cluster)
+        self._locate = locate
         self.session = uuid.uuid4().int & ((1 << 63) - 1)
         self.peers: dict[str, _Peer] = {}
         self.q: queue.SimpleQueue = _front.q if _front is not None else queue.SimpleQueue()
@@ -390,7 +325,7 @@ class WireClient:
         self._Work = _make_work_class()
         self.lanes: list[WireClient] = [self]
         if _front is None:
-            self.lanes += [WireClient(emulator, cluster, _front=self) for _ in range(max(1, lanes) - 1)]
+            self.lanes += [WireClient(emulator, cluster, _front=self, locate=locate) for _ in range(max(1, lanes) - 1)]
         self._thread = threading.Thread(target=self._loop, name=f"nbox-wire{'' if _front is None else len(_front.lanes)}",
                                         daemon=True)
         self._thread.start()
@@ -441,9 +376,7 @@ class WireClient:
         p = self.peers.get(node)
         if p is not None:
             return p
-        from ..cluster.stub import ensure_stub
-
-        info = ensure_stub(self.cluster, node)
+        info = self._locate(node)
         ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         ctl.settimeout(self.stall)
         try:
@@ -455,7 +388,7 @@ class WireClient:
                             f"({ENV_TIMEOUT}); see its log in the cluster's state directory") from None
         if not reply or reply.get("t") != "ok":
             raise ConnectionError(f"nbox wire: stub on {node} refused the session: {reply}")
-        addr = self.hosts[node]["address"]
+        addr = info["address"]
         socks = []
         for kind in (KIND_TO_STUB, KIND_FROM_STUB):
             s = socket.create_connection((addr, info["port"]), timeout=self.stall)

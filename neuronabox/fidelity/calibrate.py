@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 from ..collectives import Op
 from ..errors import InputError, RunFailed
-from .fit import OpFit, Segment, fit_piecewise, ring_terms
+from ..model.profile import OpFit, Segment, ring_terms
+from .fit import fit_piecewise
 from .measure import WorkerPlan
 from .profile import library_info, make_profile
 
@@ -119,7 +120,7 @@ def run_calibration(
     timeout: float = 900.0,
 ) -> dict[str, Any]:
     """Bring the cluster up, measure ``ops`` at ``sizes`` among all ranks of ``topology``, fit; returns the profile."""
-    from .validate import cluster_for, cores_shared, launch_real
+    from .real_system import cluster_for, cores_shared, launch_real
 
     say = progress or (lambda msg: None)
     if topology.world_size < 2:
@@ -173,8 +174,8 @@ def run_intra_node(
     for one node of the topology's first kind. Each CPU rank is pinned to its own core (round
     robin past the cores); a GPU rank uses the GPU of its index.
     """
-    from ..emu.launch import child_pythonpath, free_port
-    from .validate import rank_preexec, run_ranks
+    from ..emu.environ import child_pythonpath, free_port
+    from .real_system import rank_preexec, run_ranks
 
     say = progress or (lambda msg: None)
     node = topology.nodes[0]
@@ -227,7 +228,7 @@ def _worker_command(plan: "WorkerPlan", folder: Path) -> list[str]:
 
 def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path) -> dict:
     """What rank 0 wrote, or the ranks' failure with rank 0's last lines."""
-    from .validate import exit_codes_text
+    from .real_system import exit_codes_text
 
     if any(codes) or not Path(plan.out).exists():
         log = logs / "rank0.log"

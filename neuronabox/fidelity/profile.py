@@ -1,8 +1,7 @@
-"""The calibration profile file: what ``nbox calibrate`` writes, how it is read back, and how a topology names it."""
+"""The calibration profile file: what ``nbox calibrate`` writes and how a topology names it (read back: ``neuronabox.model.profile``)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -10,22 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..collectives import Op
 from ..errors import InputError
-from ..jsondoc import read_document
+from ..model.profile import FORMAT, topology_hash
 from .fit import OpFit, link_estimate
 
-__all__ = ["FORMAT", "topology_hash", "network_summary", "make_profile", "library_info", "save_profile",
-           "load_profile", "profile_reference", "write_profile_field"]
+__all__ = ["network_summary", "make_profile", "library_info", "save_profile",
+           "profile_reference", "write_profile_field"]
 
-FORMAT = "neuronabox-calibration/1"
-
-
-def topology_hash(topology) -> str:
-    """Hash of what the measurement depends on: network, intra-node fabric, library (not what-ifs or node count)."""
-    raw = topology.raw
-    key = {"network": raw.get("network"), "intra_node": raw.get("intra_node"), "library": topology.emulation.library}
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def network_summary(topology) -> dict[str, Any]:
@@ -71,23 +61,6 @@ def library_info(backend: str) -> dict[str, str]:
 def save_profile(profile: dict[str, Any], path: Path) -> None:
     """Write a profile as JSON."""
     path.write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
-
-
-def load_profile(path: str | Path) -> dict[str, Any]:
-    """Read and check a profile; its op fits come back as ``OpFit`` under ``fits``."""
-    p = Path(path)
-    doc = read_document(p, f"calibration profile {str(p)!r}", FORMAT, "nbox calibrate writes one")
-    try:
-        doc["fits"] = {Op.parse(k): OpFit.from_dict(v) for k, v in doc.get("ops", {}).items()}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"calibration profile {str(p)!r}: ops: {exc}") from None
-    intra = doc.get("intra_node")
-    try:
-        doc["intra_fits"] = ({Op.parse(k): OpFit.from_dict(v) for k, v in intra.get("ops", {}).items()}
-                             if isinstance(intra, dict) else {})
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"calibration profile {str(p)!r}: intra_node.ops: {exc}") from None
-    return doc
 
 
 def profile_reference(topology_file: Path, profile: Path) -> str:

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import InputError
-from .validate import RECORD_ONLY_DIR
+from .real_system import RECORD_ONLY_DIR
 
 __all__ = ["run_record", "load_against"]
 
 
 def run_record(command: Sequence[str], out: Path) -> tuple[int, list[Path]]:
     """Run ``command`` recording every rank it starts into ``out``; its exit status and the rank files written."""
-    from ..emu.launch import child_pythonpath
+    from ..emu.environ import child_pythonpath
 
     if not command:
         raise InputError("nbox record: no command to run (usage: nbox record -o DIR -- torchrun ... train.py)")

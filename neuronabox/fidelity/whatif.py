@@ -180,7 +180,7 @@ def run_sweep(
     progress: Callable[[int, int, dict[str, str], WhatIfResult | None], None] | None = None,
 ) -> list[WhatIfResult]:
     """Run the command at every prepared point (repeats interleaved across the grid, so drift hits all points alike)."""
-    from ..emu.runner import describe_exit, run_command
+    from ..launcher.runner import describe_exit, run_command
     from ..report.run_summary import summarize
 
     reports: list[list[dict]] = [[] for _ in prepared]

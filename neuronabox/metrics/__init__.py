@@ -1,7 +1,7 @@
 """Metrics: the real rank's Prometheus exporter, scrape configuration, live progress.
 
 ``start_from_env()`` is what a process started by ``nbox run`` calls at start-up
-(``neuronabox.emu.launch.autostart``): it starts the exporter when ``NBOX_METRICS_ADDR`` is
+(``neuronabox.launcher.child.autostart``): it starts the exporter when ``NBOX_METRICS_ADDR`` is
 set and the progress writer when ``NBOX_PROGRESS_FILE`` is set, and does nothing otherwise.
 """
 

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable, Iterable
+from typing import Iterable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -32,6 +32,7 @@ from prometheus_client.core import (
 )
 
 from ..exposed import split
+from ..recording import RunSource, current_run
 
 __all__ = [
     "ENV_ADDR",
@@ -99,13 +100,6 @@ def _fmt(x: float) -> str:
     return repr(float(x))
 
 
-def _current_emulator():
-    # Read the module global directly: emulator.current() would build one from the environment.
-    from ..emu import emulator
-
-    return emulator._current
-
-
 class RunCollector:
     """A prometheus-client collector over the current emulator's Recorder, plus process and GPU gauges."""
 
@@ -113,7 +107,7 @@ class RunCollector:
         self,
         cluster: str | None = None,
         run: str | None = None,
-        emulator_source: Callable[[], object] = _current_emulator,
+        emulator_source: RunSource = current_run,
         gpu: bool = True,
     ):
         self._cluster = cluster
@@ -425,7 +419,7 @@ def start_exporter(
     *,
     cluster: str | None = None,
     run: str | None = None,
-    emulator_source: Callable[[], object] = _current_emulator,
+    emulator_source: RunSource = current_run,
     address_file: str | None = None,
     gpu: bool = True,
     default_port: int = DEFAULT_PORT,

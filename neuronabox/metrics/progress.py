@@ -19,8 +19,8 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
+from ..recording import RunSource, current_run
 from ..runfiles import owned_tempdir
 from ..units import format_duration
 
@@ -29,17 +29,11 @@ __all__ = ["ENV_PROGRESS", "ProgressWriter", "RunProgress", "SweepProgress", "re
 ENV_PROGRESS = "NBOX_PROGRESS_FILE"
 
 
-def _current_emulator():
-    from ..emu import emulator
-
-    return emulator._current
-
-
 class ProgressWriter:
     """Writes the real rank's iteration count and times to ``path`` every ``interval`` seconds (when they change)."""
 
     def __init__(
-        self, path: str | os.PathLike, interval: float = 0.5, emulator_source: Callable[[], object] = _current_emulator
+        self, path: str | os.PathLike, interval: float = 0.5, emulator_source: RunSource = current_run
     ):
         self.path = str(path)
         self.interval = interval

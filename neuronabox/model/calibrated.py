@@ -28,6 +28,7 @@ from typing import Sequence
 from ..collectives import Op
 from ..errors import InputError, TopologyError
 from .base import CommModel, Estimate, Group
+from .profile import load_profile, ring_terms, topology_hash
 
 __all__ = ["CalibratedModel", "ENV_PROFILE", "with_profile"]
 
@@ -45,8 +46,6 @@ class CalibratedModel(CommModel):
     def __init__(self, topology, graph=None, *, algorithm=None, protocol=None,
                  profile: str | Path | dict | None = None):
         super().__init__(topology, graph, algorithm=algorithm, protocol=protocol)
-        from ..fidelity.profile import load_profile, topology_hash
-
         if isinstance(profile, dict):
             doc = profile
         elif profile is not None:
@@ -86,8 +85,6 @@ class CalibratedModel(CommModel):
 
     def link_time(self, op: Op, nbytes: int, group: Group | Sequence[int], root: int = 0) -> float | None:
         """The op's bytes at the link time per byte measured with two all-reduces at once (profile ``concurrency``)."""
-        from ..fidelity.fit import ring_terms
-
         c = self.profile.get("concurrency")
         group = Group.of(group)
         if not c or c.get("sec_per_byte") is None or group.size < 2:
@@ -124,8 +121,6 @@ class CalibratedModel(CommModel):
         return self._from_fits(self.fits, self.tables, "calibrated", op, nbytes, group, root)
 
     def _from_fits(self, fits, tables, label: str, op: Op, nbytes: int, group: Group, root: int) -> Estimate:
-        from ..fidelity.fit import ring_terms
-
         n = group.size
         fit = fits.get(op)
         if fit is None:
@@ -196,8 +191,6 @@ def with_profile(topology, profile: str | Path | None, model: str | None = None,
         path = Path(profile).expanduser()
         if not path.is_file():
             raise InputError(f"{flag}: no such profile file {str(profile)!r}")
-        from ..fidelity.profile import load_profile
-
         try:
             load_profile(path)
         except InputError as exc:

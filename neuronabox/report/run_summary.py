@@ -1,6 +1,6 @@
 """What ``nbox run`` tells the user at exit: iteration time, time in collectives, exposed communication.
 
-Input is the record the real rank writes (``neuronabox.emu.launch``): per-op enqueue, start and
+Input is the record the real rank writes (``neuronabox.launcher.child``): per-op enqueue, start and
 end times (seconds since the recorder started), how long the caller blocked in ``wait()``, and
 the iteration durations. Exposed communication follows the one rule of ``neuronabox.exposed``
 (measured waits, plus the tail after the last call that DDP's reducer waits for in C++); each

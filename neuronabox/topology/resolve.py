@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from ..errors import TopologyError
 from .schema import MAX_NODES, MAX_WORLD, NAME_PATTERN, FabricKind, LinkSpec, NodeOverride, TopologyFile
 
-__all__ = ["Node", "RankNodes", "Topology", "load_topology", "load_yaml", "parse_topology", "topology_from_dict"]
+__all__ = ["Node", "RankNodes", "Topology", "load_topology", "dump_yaml", "load_yaml", "parse_topology", "topology_from_dict"]
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,20 @@ def load_yaml(text: str) -> Any:
         raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", mark)
     # ValueError: an integer of more than 4,300 digits (Python's limit on int() of a string).
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def dump_yaml(topology: "Topology") -> str:
+    """The topology's raw document as YAML text (what-ifs applied): the file a child, a container or a job reads."""
+    return yaml.safe_dump(_jsonable(topology.raw), sort_keys=False)
+
+
+def _jsonable(value: Any) -> Any:
+    """The raw topology with enum keys (from what-if merges) turned back into YAML scalars."""
+    if isinstance(value, dict):
+        return {(k.value if hasattr(k, "value") else k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value.value if hasattr(value, "value") else value
 
 
 _REPR = reprlib.Repr()

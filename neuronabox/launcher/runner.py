@@ -20,15 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
-
+from ..emu.environ import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY, child_pythonpath, prepare_env
+from ..emu.spawn import error_file
 from ..errors import InputError
 from ..runfiles import owned_tempdir
 from ..topology import Topology
-from .emulator import ENV_MODEL, ENV_REAL_RANK, ENV_TOPOLOGY
+from ..topology.resolve import dump_yaml
+from .exits import describe_exit
 from .guard import ENV_PARENT, die_with_parent
-from .launch import child_pythonpath, prepare_env
-from .spawn import error_file
 
 __all__ = ["RunResult", "run_command", "run_real_ranks", "AUTOSTART_DIR"]
 
@@ -74,7 +73,7 @@ def _add_backend(env: dict[str, str], topology_file: Path, model: str | None) ->
 def _write_topology(folder: str, topology: Topology) -> Path:
     """The effective topology (what-ifs applied) as the YAML file the child reads."""
     path = Path(folder) / "topology.yaml"
-    path.write_text(yaml.safe_dump(_jsonable(topology.raw), sort_keys=False), encoding="utf-8")
+    path.write_text(dump_yaml(topology), encoding="utf-8")
     return path
 
 
@@ -105,16 +104,6 @@ def python_script(command: Sequence[str]) -> str | None:
         elif not arg.startswith("-"):
             return arg
     return None
-
-
-def describe_exit(code: int) -> str:
-    """A process's end as a clause: ``exited with status 3``, ``was killed by SIGTERM``."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def run_command(
@@ -289,7 +278,7 @@ class _Stopping(Exception):
 
 def _wait(child: subprocess.Popen, grace: float) -> tuple[int, str | None]:
     """The child's exit status, and SIGINT or SIGTERM if nbox was stopped meanwhile."""
-    # Either signal is passed on, and the child writes its record before it dies (launch.autostart);
+    # Either signal is passed on, and the child writes its record before it dies (launcher.child.autostart);
     # one that does not end within the grace (stuck in a C call that never returns to Python) is
     # killed. Ctrl-C reaches the child by itself too (same process group) while `kill -INT` of nbox
     # does not: passing SIGINT on makes both the same, and autostart ignores the second copy.
@@ -321,12 +310,3 @@ def _wait(child: subprocess.Popen, grace: float) -> tuple[int, str | None]:
                 stopped_by = stopped_by or "SIGINT"
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _jsonable(value: Any) -> Any:
-    """The raw topology with enum keys (from what-if merges) turned back into YAML scalars."""
-    if isinstance(value, dict):
-        return {(k.value if hasattr(k, "value") else k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value.value if hasattr(value, "value") else value

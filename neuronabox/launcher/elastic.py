@@ -27,13 +27,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import signal
 import shutil
+import signal
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ..emu.environ import ENV_ELASTIC, ENV_REAL_RANKS, ENV_REAL_STORE, ENV_REAL_STORE_PREFIX, ENV_REAL_TIMEOUT
 from ..errors import InputError
 from ..topology import Topology
 
@@ -52,13 +53,6 @@ __all__ = [
     "ENV_REAL_TIMEOUT",
 ]
 
-ENV_REAL_RANKS = "NBOX_REAL_RANKS"
-ENV_REAL_STORE = "NBOX_REAL_STORE"
-ENV_REAL_STORE_PREFIX = "NBOX_REAL_STORE_PREFIX"
-ENV_REAL_TIMEOUT = "NBOX_REAL_TIMEOUT"
-# Set by the parent for the workers: "1" = translate torchrun's environment; "done" once translated,
-# so Python subprocesses of the worker (which inherit the translated environment) leave it alone.
-ENV_ELASTIC = "NBOX_ELASTIC"
 ENV_RECORD_DIR = "NBOX_RECORD_DIR"
 ENV_CPU_CORES = "NBOX_CPU_CORES"
 _LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
@@ -299,7 +293,7 @@ def run_elastic(plan: LaunchPlan, command: Sequence[str], env: Mapping[str, str]
         elastic_launch(config, command[0])(*command[1:])
         rc = 0
     except ChildFailedError as exc:
-        from .runner import describe_exit
+        from .exits import describe_exit
 
         rc = 1
         ordered = sorted(exc.failures.items(), key=lambda kv: kv[1].timestamp)
@@ -328,8 +322,7 @@ def run_elastic(plan: LaunchPlan, command: Sequence[str], env: Mapping[str, str]
 # ---- the child side -------------------------------------------------------------------------------
 def worker_env(environ: Mapping[str, str], topology: Topology | None = None) -> dict[str, str]:
     """The nbox contract for a worker that torch's agent started: the variables to set (see the module doc)."""
-    from .emulator import ENV_REAL_RANK, ENV_TOPOLOGY
-    from .launch import prepare_env
+    from ..emu.environ import ENV_REAL_RANK, ENV_TOPOLOGY, prepare_env
 
     if topology is None:
         from ..topology import load_topology

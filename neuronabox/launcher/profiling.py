@@ -24,14 +24,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..emu.replay import ENV_ROLE_PARTIAL, ENV_ROLE_PROFILE
+from ..emu.role_record import ENV_ROLE_NAME, ENV_ROLE_RECORD
+from ..emu.roles import (
+    FORMAT,
+    MANIFEST,
+    PARTIAL,
+    ProfileMeta,
+    Roles,
+    check_profile,
+    command_digest,
+    deferred,
+    infer_roles,
+    merge_runs,
+    parse_roles,
+    read_profile,
+)
 from ..errors import InputError, RunFailed
 from ..topology import Topology
-from .replay import ENV_ROLE_PARTIAL, ENV_ROLE_PROFILE
-from .role_record import ENV_ROLE_NAME, ENV_ROLE_RECORD
-from .roles import (
-    FORMAT, MANIFEST, PARTIAL, ProfileMeta, Roles, check_profile, command_digest, deferred, infer_roles, merge_runs,
-    parse_roles, read_profile,
-)
 from .runner import describe_exit, run_command
 
 __all__ = ["record_profile", "replay_env", "torch_version", "topology_device", "RoleRun"]

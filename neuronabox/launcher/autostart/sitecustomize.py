@@ -12,6 +12,7 @@ import sys
 
 
 def _chain_shadowed_sitecustomize() -> None:
+    import importlib.machinery  # not an attribute of importlib until someone imports it
     import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -24,14 +25,14 @@ def _chain_shadowed_sitecustomize() -> None:
 
 if os.environ.get("NBOX_TOPOLOGY"):
     try:
-        from neuronabox.emu.elastic import apply_worker_env
-        from neuronabox.emu.launch import autostart
+        from neuronabox.launcher.child import autostart
+        from neuronabox.launcher.elastic import apply_worker_env
     except ImportError as exc:  # another Python than the one nbox is installed in
         sys.stderr.write(f"nbox: this Python ({sys.executable}) cannot load neuronabox ({exc}); "
                          "run the command with the Python that has nbox and torch\n")
     else:
         if os.environ.get("NBOX_ELASTIC"):
-            from neuronabox.emu.guard import ENV_PARENT, die_with_parent
+            from neuronabox.launcher.guard import ENV_PARENT, die_with_parent
 
             if os.environ.get(ENV_PARENT) == str(os.getppid()):
                 # A worker that torch's agent (inside nbox run) started itself, not a process one
