@@ -113,7 +113,8 @@ def status_cmd(name: Optional[str] = NAME, as_json: bool = typer.Option(False, "
     """Show the clusters that are up."""
     from rich.table import Table
 
-    from ..cluster.runtime import _result, status
+    from ..cluster.netns_cluster import up_result
+    from ..cluster.runtime import status
     from ..cluster.state import ClusterState
 
     rows = status(name)
@@ -141,7 +142,7 @@ def status_cmd(name: Optional[str] = NAME, as_json: bool = typer.Option(False, "
             _print_nodes(r["name"], r["hosts"])
     if links:
         for r in rows:
-            _print_mechanisms(_result(ClusterState.load(r["name"])).links)
+            _print_mechanisms(up_result(ClusterState.load(r["name"])).links)
 
 
 @app.command("exec", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -86,8 +86,8 @@ def delay_note(state: dict[str, Any]) -> str | None:
         return None
     from ..units import format_duration
 
-    head = (f"no netem in this kernel: link delay is added in user space (TCP relay, NFQUEUE for ping/UDP), "
-            f"on a path with a latency of its own; ping, through the slower NFQUEUE line, reads more")
+    head = ("no netem in this kernel: link delay is added in user space (TCP relay, NFQUEUE for ping/UDP), "
+            "on a path with a latency of its own; ping, through the slower NFQUEUE line, reads more")
     try:
         got = tcp_round_trip(a["ns"], b["ns"], b["address"])
     except OSError as exc:

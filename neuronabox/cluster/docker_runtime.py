@@ -5,7 +5,7 @@ state directory (``<state>/<name>/compose/``) and its node services are started 
 SDK (``pip install 'neuronabox[docker]'``, imported lazily), the one way neuronabox talks to the
 engine (``client()``), with no network (``network_mode: none``). Each container's network
 namespace is then bound by its pid to the name the netns runtime uses (``Namespace.adopt``) and
-``runtime._up_netns`` builds the topology in them: the same plan, veths, switch namespaces,
+``netns_cluster.up_netns`` builds the topology in them: the same plan, veths, switch namespaces,
 tbf/htb, loss rules, delay relays and shaping agent as ``--runtime netns``, so links mean the same
 on both runtimes. Images come from ``nbox images build`` (``images.py``). As for the other
 runtimes, the state file names every object before it is created (the ``docker`` field: driver,
@@ -156,10 +156,10 @@ def up(
             if st.get("runtime") != "docker":
                 raise InputError(f"cluster {name!r} exists with runtime {st.get('runtime')!r}; "
                                  f"run `nbox down {name}` first or pick another --name")
-            from .runtime import _broken
+            from .netns_cluster import what_is_broken
 
             # Up means every container running and the netns side whole (namespaces bound, the agent alive).
-            if st.get("phase") == "up" and _running(st, cl) and not _broken(st):
+            if st.get("phase") == "up" and _running(st, cl) and not what_is_broken(st):
                 if st.get("topology_name") != topo.name:
                     raise InputError(f"cluster {name!r} is already up with topology {st.get('topology_name')!r}; "
                                      f"run `nbox down {name}` first or pick another --name")
@@ -276,7 +276,7 @@ def _sdk_up(client, st: ClusterState, topo, rendered, subnet: str, say) -> None:
     import yaml
 
     from .netns import plan_network
-    from .runtime import _fault_point, _up_netns
+    from .netns_cluster import fault_point, up_netns
 
     spec = yaml.safe_load(rendered.compose_file.read_text())
     ctx = rendered.context
@@ -331,9 +331,9 @@ def _sdk_up(client, st: ClusterState, topo, rendered, subnet: str, say) -> None:
             for f in [pool.submit(start, svc) for svc in batch]:
                 f.result()
             if i == 0:
-                _fault_point("docker-containers")  # crash tests kill -9 `up` here, half the containers made
+                fault_point("docker-containers")  # crash tests kill -9 `up` here, half the containers made
     adopt = {plan.node_ns[node_of[svc]]: pid for svc, pid in pids.items()}
-    _up_netns(st, topo, subnet, shape=True, rate_kind="tbf", agent=True, say=say, plan=plan, adopt=adopt)
+    up_netns(st, topo, subnet, shape=True, rate_kind="tbf", agent=True, say=say, plan=plan, adopt=adopt)
     svc_of = {v: k for k, v in node_of.items()}
     for h in st.data["plan"]["hosts"]:
         h["service"] = svc_of[h["node"]]
@@ -404,7 +404,7 @@ def down(name: str, keep_lock: bool = False) -> dict:
                 removed["networks"] += 1
     # Then what the netns plan made in the containers' namespaces: the host's agent and relays,
     # and the namespaces' names (unbound; each namespace went with its container).
-    from .runtime import down_network
+    from .netns_cluster import down_network
 
     net = down_network(st)
     if d.get("dir"):
@@ -471,12 +471,13 @@ def status(name: str) -> dict:
     recorded = d.get("containers") or sorted(states or {})
     running = sum(1 for c in recorded if (states or {}).get(c) == "running")
     from .netns import Namespace
-    from .runtime import _alive, _health
+    from .netns_cluster import health as netns_health
+    from .netns_cluster import process_alive
 
     plan = st.get("plan") or {}
     present = sum(1 for x in st["namespaces"] if Namespace(x["name"]).exists())
     agents = [p for p in st["processes"] if p.get("role") == "agent"]
-    health = _health(st) if st.get("phase") == "up" else {"healthy": False, "problem": f"phase {st.get('phase')!r}"}
+    health = netns_health(st) if st.get("phase") == "up" else {"healthy": False, "problem": f"phase {st.get('phase')!r}"}
     if health["healthy"] and (states is None or running != len(recorded)):
         health = {"healthy": False, "problem": f"{len(recorded) - running} of {len(recorded)} containers are not running; "
                                                f"`nbox up {st.get('topology')} --runtime docker --name {name}` rebuilds it"}
@@ -490,13 +491,13 @@ def status(name: str) -> dict:
         "links": len(plan.get("links", [])),
         "namespaces": f"{present}/{len(st['namespaces'])}",
         "containers": f"{running}/{len(recorded)}" if states is not None else f"?/{len(recorded)} (no engine)",
-        "agent": (st.get("agent") or {}).get("url") if any(_alive(p) for p in agents) else None,
+        "agent": (st.get("agent") or {}).get("url") if any(process_alive(p) for p in agents) else None,
         **health,
     }
 
 
 def _result(st: ClusterState, seconds: float = 0.0, already_up: bool = False, notes=()):
-    from .runtime import _result as netns_result
+    from .netns_cluster import up_result as netns_result
 
     return netns_result(st, seconds, already_up, notes)
 

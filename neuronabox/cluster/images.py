@@ -11,7 +11,8 @@ made again (a second ``build`` takes seconds):
    (``pip install --target`` for the image's Python, wheels only) and put into a container of
    the layer below, which is committed (``_add_layer``); the stub image
    carries no torch, the node image adds torch (the CPU wheel unless ``--torch`` names another);
-3. **neuronabox** itself, from this checkout (``pip install --no-deps``), and an ``nbox`` script.
+3. **neuronabox** itself, one wheel of this checkout (``pip wheel --no-deps``) shared by the images,
+   and an ``nbox`` script.
 
 ``prometheus`` is a rootfs of Debian's own ``prometheus`` package (no registry image).
 
@@ -114,7 +115,9 @@ def _run(cmd: list[str], what: str) -> None:
             p.wait(60)
         raise
     if p.returncode != 0:
-        tail = (err.strip().splitlines() or out.strip().splitlines() or ["(no output)"])[-1]
+        said = err.strip().splitlines() or out.strip().splitlines() or ["(no output)"]
+        # pip ends with a decoration ("╰─> neuronabox"): the line that names the error says more.
+        tail = next((ln.strip() for ln in reversed(said) if "error" in ln.lower()), said[-1])
         raise RunFailed(f"images build: {what} failed ({p.returncode}): {tail}")
 
 
@@ -243,8 +246,21 @@ def build(
     base_ref = (f"neuronabox/base:{_hash('from', base_image, BASE_PACKAGES)}" if base_image
                 else f"neuronabox/base:{_hash(SUITE, MIRROR, BASE_PACKAGES, _EXCLUDES, 'v1')}")
     base_lock = threading.Lock()
+    wheel_lock = threading.Lock()
     with tempfile.TemporaryDirectory(prefix="nbox-images-") as tmp:
         work = Path(tmp)
+
+        def project_wheel() -> Path:
+            # One wheel of the checkout for every image: two pip builds of one source tree at once
+            # share its build/ folder and break each other (seen: a stub and a node build together).
+            with wheel_lock:
+                made = sorted((work / "wheel").glob("neuronabox-*.whl"))
+                if not made:
+                    say("pip wheel neuronabox (this checkout)")
+                    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
+                          str(work / "wheel"), str(root)], "pip wheel of this checkout")
+                    made = sorted((work / "wheel").glob("neuronabox-*.whl"))
+                return made[0]
 
         def base() -> str:
             with base_lock:  # stub and node share it: made once
@@ -283,7 +299,7 @@ def build(
                 cached = _exists(client, key)
                 if not cached:
                     site = work / f"nbox-{name}"
-                    _pip_target(site, ["--no-deps", str(root)], python_version, say, binary_only=False)
+                    _pip_target(site, ["--no-deps", str(project_wheel())], python_version, say, binary_only=False)
                     script = work / f"nbox-script-{name}"
                     script.write_text(_NBOX_SCRIPT)
                     script.chmod(0o755)

@@ -137,7 +137,7 @@ def start_stubs(st: ClusterState, nodes: list[str], timeout: float = 10.0) -> di
 
 def ensure_stub(cluster: str, node: str) -> dict:
     """The running stub of ``node`` in ``cluster`` ({pid, port, control}), started if it is not."""
-    from .runtime import _alive
+    from .netns_cluster import process_alive
 
     st = ClusterState(cluster)
     with st.locked():
@@ -147,7 +147,7 @@ def ensure_stub(cluster: str, node: str) -> dict:
         if info:
             rec = next((p for p in st["processes"]
                         if p.get("role") == "stub" and p.get("node") == node and p.get("pid") == info.get("pid")), None)
-            if rec is not None and _alive(rec):
+            if rec is not None and process_alive(rec):
                 return info
         return start_stubs(st, [node])[node]
 
@@ -173,7 +173,7 @@ def revive_stubs(cluster: str) -> list[str]:
     Nothing while ``up`` or ``down`` holds the cluster's lock: ``up`` is still starting them, and
     ``down`` is ending them on purpose.
     """
-    from .runtime import _alive
+    from .netns_cluster import process_alive
 
     st = ClusterState(cluster)
     try:
@@ -181,7 +181,7 @@ def revive_stubs(cluster: str) -> list[str]:
             if not st.path.exists() or st.get("phase") != "up":
                 return []
             latest = {p.get("node"): p for p in st["processes"] if p.get("role") == "stub"}
-            dead = sorted(n for n, p in latest.items() if not _alive(p))
+            dead = sorted(n for n, p in latest.items() if not process_alive(p))
             if dead:
                 start_stubs(st, dead)
             return dead

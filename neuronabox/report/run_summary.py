@@ -227,7 +227,7 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
     """The exit summary as rich tables: the run, then one row per collective type (per real rank first, if several)."""
     if "ranks" in report:
         return _rank_tables(report)
-    it, comm, exp = report["iteration_time"], report["comm_modeled_per_iteration"], report["exposed_per_iteration"]
+    it, comm = report["iteration_time"], report["comm_modeled_per_iteration"]
     t = Table(title="nbox run", show_header=False, title_justify="left")
     t.add_column("what", style="bold")
     t.add_column("value")
