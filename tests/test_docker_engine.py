@@ -228,6 +228,31 @@ def test_the_node_container_runs_the_ddp_example_under_nbox_run(cluster, docker_
     assert "step" in r.stdout.lower() or "step" in r.stderr.lower(), r.stdout[-1000:]
 
 
+@pytest.mark.torch
+def test_wire_mode_across_containers_moves_the_ring_s_bytes_through_node0_s_nic(cluster, tmp_path):
+    """`nbox run --mode wire --cluster`: the real rank in node0's (container's) namespace, stub peers in the others."""
+    yaml = tmp_path / "dk.yaml"
+    yaml.write_text("name: dk\ncluster: {nodes: 3, ranks_per_node: 1, device: cpu}\nintra_node: {fabric: shm}\n"
+                    "network: {type: switch, link: {bandwidth: 1Gbps, latency: 0us}}\n"
+                    "emulation: {library: gloo, model: alpha-beta, algorithm: ring, gloo_threads: 1}\n")
+    script = tmp_path / "ar.py"
+    script.write_text("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "t = torch.ones(1 << 18)\nfor _ in range(3):\n    dist.all_reduce(t)\nprint('done', dist.get_world_size())\n")
+
+    def tx() -> int:
+        r = run_nbox("exec", "node0", "--name", "dk", "--", "cat", "/sys/class/net/nic0/statistics/tx_bytes")
+        assert r.returncode == 0, r.stderr
+        return int(r.stdout.strip())
+
+    before = tx()
+    r = run_nbox("run", "-q", "--cluster", "dk", "--mode", "wire", str(yaml), "--", sys.executable, str(script))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "done 3" in r.stdout, r.stdout[-2000:]
+    # A ring all-reduce sends 2(n-1)/n of the buffer from every rank: 3 ops of 1 MiB over 3 ranks.
+    want = 3 * 2 * (3 - 1) / 3 * (1 << 20)
+    assert tx() - before >= 0.95 * want
+
+
 def test_down_leaves_nothing(built, state, docker_engine):
     before = nt.snapshot("dgone")
     veths = host_veths()

@@ -317,6 +317,11 @@ def _sdk_up(client, st: ClusterState, topo, rendered, subnet: str, say) -> None:
         if svc.get("command") is not None and "--address" in str(svc.get("command")):
             kw["command"] = [a.replace(f"--address {svc['environment']['NBOX_NODE_ADDR']}", f"--address {addr[node]}")
                              for a in kw["command"]]
+        if (svc.get("labels") or {}).get("nbox.role") == "stub":
+            # A peer's container holds its namespace; its wire-mode stub is started in it when a run
+            # asks (cluster/stub.py, as on netns), so the stub the compose file names is not run here:
+            # two stubs would contend for one port.
+            kw["command"] = None
         kw["command"] = _wait_address(kw.get("command") or ["sleep", "infinity"], addr[node])
         c = client.containers.run(**kw)
         c.reload()
