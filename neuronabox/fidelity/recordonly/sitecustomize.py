@@ -13,6 +13,9 @@ import sys
 
 
 def _chain_shadowed_sitecustomize() -> None:
+    # Standalone like launcher/autostart/sitecustomize.py (it runs before neuronabox may be importable),
+    # so the two keep their own copy of this.
+    import importlib.machinery  # not an attribute of importlib until someone imports it
     import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))
