@@ -80,6 +80,40 @@ def test_images_are_built_once_and_found_the_second_time(built, docker_engine):
     assert out.startswith(b"2.")
 
 
+def test_an_interrupted_build_leaves_no_tag_no_chroot_no_container(built, docker_engine):
+    """Ctrl-C while mmdebstrap makes a base: one line, no image tagged, no chroot in /tmp, no staging container."""
+    import glob
+
+    # Another mirror string for the same mirror: another base hash, so a base is made (from the .deb cache).
+    env = {**os.environ, "NBOX_DEBIAN_MIRROR": "http://deb.debian.org/debian/", "COLUMNS": "200"}
+    chroots = set(glob.glob("/tmp/mmdebstrap.*"))
+    containers = {c.id for c in docker_engine.containers.list(all=True)}
+    tags = {t for i in docker_engine.images.list() for t in i.tags}
+    p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", "images", "build", "stub", "--tag", "interrupted"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                         start_new_session=True)
+    out = []
+    try:
+        deadline = time.monotonic() + 120
+        for line in p.stdout:
+            out.append(line)
+            if "mmdebstrap" in line or time.monotonic() > deadline:
+                break
+        assert "mmdebstrap" in "".join(out), "".join(out)
+        time.sleep(1.0)
+        os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: nbox and mmdebstrap both get it
+        rest, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    text = "".join(out) + rest
+    assert p.returncode != 0 and "Traceback" not in text, text
+    assert set(glob.glob("/tmp/mmdebstrap.*")) <= chroots, text
+    assert {c.id for c in docker_engine.containers.list(all=True)} <= containers
+    assert {t for i in docker_engine.images.list() for t in i.tags} <= tags, text
+
+
 def test_a_missing_image_is_one_line_and_leaves_nothing(built, state, docker_engine):
     with pytest.raises(InputError, match=r"the image neuronabox/(node|stub):no-such-tag .* is missing; build it with `nbox images build`"):
         dr.up(switch_topology(2), name="dmiss", image_tag="no-such-tag", **PORTS)
