@@ -142,6 +142,7 @@ def up(
     """Bring a docker cluster up for ``topology`` (a path or a Topology); safe to call twice."""
     from ..topology import Topology, load_topology
     from .compose import DEFAULTS, render_compose
+    from .netns_cluster import up_result
 
     topo = topology if isinstance(topology, Topology) else load_topology(topology, profile_may_be_missing=True)
     name = valid_name(name) if name else default_name(topo.name)
@@ -163,7 +164,7 @@ def up(
                 if st.get("topology_name") != topo.name:
                     raise InputError(f"cluster {name!r} is already up with topology {st.get('topology_name')!r}; "
                                      f"run `nbox down {name}` first or pick another --name")
-                return _result(st, already_up=True, notes=[f"cluster {name!r} is already up"])
+                return up_result(st, already_up=True, notes=[f"cluster {name!r} is already up"])
             say(f"cluster {name!r} was left half made (phase {st.get('phase')!r}); removing it first")
             down(name, keep_lock=True)
             st = ClusterState(name)
@@ -195,7 +196,7 @@ def up(
         finally:
             if not st.path.exists():
                 st.remove_files()
-    return _result(st, seconds=time.perf_counter() - t0)
+    return up_result(st, seconds=time.perf_counter() - t0)
 
 
 def _abs_volume(spec: str, base: Path) -> str:
@@ -314,14 +315,11 @@ def _sdk_up(client, st: ClusterState, topo, rendered, subnet: str, say) -> None:
             kw.pop(key, None)
         kw["network_mode"] = "none"
         kw["environment"]["NBOX_NODE_ADDR"] = addr[node]
-        if svc.get("command") is not None and "--address" in str(svc.get("command")):
-            kw["command"] = [a.replace(f"--address {svc['environment']['NBOX_NODE_ADDR']}", f"--address {addr[node]}")
-                             for a in kw["command"]]
         if (svc.get("labels") or {}).get("nbox.role") == "stub":
             # A peer's container holds its namespace; its wire-mode stub is started in it when a run
             # asks (cluster/stub.py, as on netns), so the stub the compose file names is not run here:
             # two stubs would contend for one port.
-            kw["command"] = None
+            kw.pop("command", None)
         kw["command"] = _wait_address(kw.get("command") or ["sleep", "infinity"], addr[node])
         c = client.containers.run(**kw)
         c.reload()
@@ -499,12 +497,6 @@ def status(name: str) -> dict:
         "agent": (st.get("agent") or {}).get("url") if any(process_alive(p) for p in agents) else None,
         **health,
     }
-
-
-def _result(st: ClusterState, seconds: float = 0.0, already_up: bool = False, notes=()):
-    from .netns_cluster import up_result as netns_result
-
-    return netns_result(st, seconds, already_up, notes)
 
 
 # ---- the agent inside the cluster -------------------------------------------------------------------
