@@ -35,10 +35,10 @@ def show(
     world_size: Optional[int] = WORLD_SIZE,
 ) -> None:
     """Summarize a topology; optionally draw it or print routes."""
+    topo = load(topology, world_size=world_size)  # before the graph's imports: bad input is refused sooner
     from ..report.topology_view import check_drawable, route_table, summary_tables, write_dot, write_png
     from ..topology.graph import ClusterGraph
 
-    topo = load(topology, world_size=world_size)
     pairs = []
     for spec in route:  # all checked before anything is printed
         src, sep, dst = spec.partition(":")
@@ -107,14 +107,14 @@ def bench(
     ),
 ) -> None:
     """The nccl-tests table, from the model: time, algbw and busbw per size."""
+    topo = load(topology, inject, latency_scale, bandwidth_scale, (), world_size)  # before the model's imports
     from ..collectives import Op
     from ..model.bench import DTYPES, parse_bench_size, parse_ranks, run_bench, sweep_sizes
+    from ..model.calibrated import with_profile
     from ..model.registry import create_model
     from ..report.nccl_tests import format_table
 
-    from ..model.calibrated import with_profile
-
-    topo = with_profile(load(topology, inject, latency_scale, bandwidth_scale, (), world_size), profile, model)
+    topo = with_profile(topo, profile, model)
     if compare:
         _compare(topo, compare, model)
         return

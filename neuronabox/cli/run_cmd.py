@@ -55,13 +55,14 @@ def run(
     ),
 ) -> None:
     """Run a training command as the real rank of TOPOLOGY; the rest of the cluster is emulated."""
+    # The topology first: a bad file is refused before the model's and launcher's imports (numpy,
+    # networkx), in a third of the time.
+    topo = load(topology, inject, latency_scale, bandwidth_scale, straggler, world_size)
     from ..launcher.runner import describe_exit, run_command
+    from ..model.calibrated import with_profile
     from ..model.registry import create_model
     from ..report.run_summary import summarize, summary_tables
     from ..report.trace import write_trace
-
-    topo = load(topology, inject, latency_scale, bandwidth_scale, straggler, world_size)
-    from ..model.calibrated import with_profile
 
     topo = with_profile(topo, profile, model)
     changes = {k: v for k, v in (("algorithm", algorithm),) if v is not None}
