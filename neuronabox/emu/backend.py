@@ -201,13 +201,13 @@ class NboxWork(dist.Work):
             rec.wait += after - now
             if rec.completed is None:
                 rec.completed = after
-        fp = rec.footprint
-        if fp is not None and not fp.done(rec):
-            t = clock()
-            fp.wait(rec)  # the op's CPU is not spent yet: the core was busy with compute
-            after = clock()
-            rec.wait += after - t
-            rec.completed = after
+        for hold in rec.holds:
+            if not hold.done(rec):
+                t = clock()
+                hold.wait(rec)  # the footprint: the op's CPU is not spent yet, the core was busy with compute
+                after = clock()
+                rec.wait += after - t
+                rec.completed = after
         self._done = True
         return True
 
@@ -251,7 +251,7 @@ class NboxWork(dist.Work):
         fut = torch.futures.Future()
         self._future = fut
         rec, result = self._rec, self._result
-        coupled, fp, waker = rec.coupled, rec.footprint, self._emu.waker
+        coupled, holds, waker = rec.coupled, rec.holds, self._emu.waker
         if _over(rec):
             fut.set_result(result)
         else:
@@ -260,9 +260,10 @@ class NboxWork(dist.Work):
                 if coupled is not None and not coupled.settle(rec):
                     waker.at(rec.end, complete)  # the host computed meanwhile: the end moved
                     return
-                if fp is not None and not fp.done(rec):
-                    fp.when_done(rec, complete)  # its CPU is not spent yet
-                    return
+                for hold in holds:
+                    if not hold.done(rec):
+                        hold.when_done(rec, complete)  # the footprint: its CPU is not spent yet
+                        return
                 if rec.completed is None:
                     rec.completed = now
                 fut.set_result(result)
@@ -273,8 +274,9 @@ class NboxWork(dist.Work):
 
 def _over(rec: OpRecord) -> bool:
     """Whether a host-timed op has finished now: its modeled end passed, its progress (host coupling) and its CPU (footprint) done."""
-    if rec.footprint is not None and not rec.footprint.done(rec):
-        return False
+    for hold in rec.holds:
+        if not hold.done(rec):
+            return False
     return clock() >= rec.end and (rec.coupled is None or rec.coupled.settle(rec))
 
 
