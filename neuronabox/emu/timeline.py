@@ -330,18 +330,20 @@ class Timeline:
 
     def attach(self, *effects: HostEffect) -> None:
         """Add host effects (each one's per-communicator part, ``HostEffect.for_timeline``) to this communicator."""
+        every = (*self.effects, *effects)
+        admits = hooks(every, "admit")
+        if len(admits) > 1:
+            names = [e.name for e in every if hooks((e,), "admit")]
+            raise ValueError(f"nbox: two host effects take over an op's end: {names}")
         with self._lock:
-            self.effects = (*self.effects, *effects)
-            self._arrivals = hooks(self.effects, "arrival")
+            self.effects = every
+            self._arrivals = hooks(every, "arrival")
             # The effects that account host progress: settled before an op is queued and on waits.
-            self._settlers = tuple(e for e in self.effects if hooks((e,), "settle"))
-            self._on_start = hooks(self.effects, "on_start")
-            self._lost = hooks(self.effects, "lost")
-            admits = hooks(self.effects, "admit")
-            if len(admits) > 1:
-                raise ValueError(f"nbox: two host effects take over an op's end: {admits}")
+            self._settlers = tuple(e for e in every if hooks((e,), "settle"))
+            self._on_start = hooks(every, "on_start")
+            self._lost = hooks(every, "lost")
             self._admit = admits[0] if admits else None
-            self._on_queued = hooks(self.effects, "on_queued")
+            self._on_queued = hooks(every, "on_queued")
 
     def effect(self, kind: type) -> HostEffect | None:
         """This communicator's host effect of class ``kind``, if it has one."""

@@ -17,7 +17,7 @@ The moments, in the order the timeline asks (``timeline.Timeline.schedule``):
    beside it shares the link over the time it really takes);
 5. ``admit``: an effect that makes the op's end tentative takes it over (at most one does);
 6. ``on_queued``: the op is queued with its end, outside the timeline's lock;
-7. completion (``backend.work``): ``done`` says whether the effect still holds the op; an op that
+7. completion (``emu/work.py``): ``done`` says whether the effect still holds the op; an op that
    ``on_queued`` put in ``OpRecord.holds`` completes only once each of them lets it go (``wait``,
    ``when_done``).
 
@@ -96,7 +96,7 @@ class HostEffect:
         return 0.0
 
     def admit(self, r: OpRecord, prev_end: float, work: float | None = None) -> float:
-        """Take over ``r``'s end (queued behind ``prev_end``, ``work`` seconds of progress); returns its tentative end."""
+        """Take over ``r``'s end (queued behind ``prev_end``, ``work`` s of progress); returns its tentative end."""
         raise NotImplementedError
 
     def on_queued(self, r: OpRecord, beside: float | None) -> None:

@@ -71,7 +71,7 @@ class HostCoupling(HostEffect):
 
     @classmethod
     def build(cls, run: RunContext) -> "HostCoupling | None":
-        """With a calibrated busy rate below 1, for a CPU library whose ops only the model times (wire and hybrid ops spend the real CPU)."""
+        """With a calibrated busy rate below 1, for a CPU library only the model times (wire, hybrid: real CPU)."""
         rate = busy_rate_from_profile(run.profile)
         if rate is None or rate >= 1.0 or not run.modeled_cpu:
             return None

@@ -108,8 +108,8 @@ class SpinStall(HostEffect):
 
     def describe(self) -> str:
         """How many calibrated cells the draws come from."""
-        how = "the wire thread waits what a rank spun" if self._wire else "the bytes move after it, its spin on this core"
-        return f"spin stalls: drawn per op issued on an idle communicator from {len(self._cells)} calibrated cells ({how})"
+        how = "the wire thread waits what a rank spun" if self._wire else "bytes move after it, spin on this core"
+        return f"spin stalls: drawn per op issued on an idle communicator from {len(self._cells)} cells ({how})"
 
     @classmethod
     def from_profile(cls, profile: dict | None, seed: int | None = None) -> "SpinStall | None":
