@@ -17,9 +17,10 @@ The moments, in the order the timeline asks (``timeline.Timeline.schedule``):
    beside it shares the link over the time it really takes);
 5. ``admit``: an effect that makes the op's end tentative takes it over (at most one does);
 6. ``on_queued``: the op is queued with its end, outside the timeline's lock;
-7. completion (``emu/work.py``): ``done`` says whether the effect still holds the op; an op that
-   ``on_queued`` put in ``OpRecord.holds`` completes only once each of them lets it go (``wait``,
-   ``when_done``).
+7. completion (``emu/work.py``): ``done`` says whether the effect still holds the op. An op whose
+   end was admitted is settled again when a waiter wakes at that end (``Timeline.settle``: done,
+   or a later tentative end); an op that ``on_queued`` put in ``OpRecord.holds`` completes only
+   once each of them lets it go (``wait``, ``when_done``).
 
 Effects share what they decide through the op's record (``OpRecord.stall``, ``.spin``, ``.extra``):
 the spin stall's spin is what the footprint spends beside the op. ``cpu_spent`` is CPU an effect
