@@ -100,7 +100,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from neuronabox.cluster import runtime as rt
     from neuronabox.fidelity.profile import save_profile, write_profile_field
-    from neuronabox.emu.footprint import interference
+    from neuronabox.emu.host_effects.footprint import interference
     from neuronabox.fidelity.validate import run_validation
     from neuronabox.topology import load_topology
 

@@ -222,6 +222,7 @@ def test_calibrate_writes_the_profile_the_topology_names_even_before_it_exists(t
 
 def test_busy_progress_in_a_profile_reaches_the_emulator(tmp_path, monkeypatch):
     from neuronabox.emu.emulator import Emulator
+    from neuronabox.emu.host_effects.host_coupling import HostCoupling
 
     path, _ = synthetic_profile(tmp_path)
     doc = json.loads(path.read_text())
@@ -231,10 +232,10 @@ def test_busy_progress_in_a_profile_reaches_the_emulator(tmp_path, monkeypatch):
     gloo = topo("cluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps, latency: 100us}}\n"
                 "emulation: {library: gloo}\n")
     emu = Emulator(gloo, 0, "calibrated")
-    assert emu.busy_rate == 0.05
+    assert emu.effect(HostCoupling).busy_rate == 0.05
     tl = emu.new_timeline((0, 1))
-    assert tl.coupling is not None and tl.coupling.busy_rate == 0.05 and tl.slots == 2
-    assert Emulator(gloo, 0, "alpha-beta").busy_rate is None  # no profile, no coupling
+    assert tl.effect(HostCoupling) is not None and tl.effect(HostCoupling).busy_rate == 0.05 and tl.slots == 2
+    assert Emulator(gloo, 0, "alpha-beta").effect(HostCoupling) is None  # no profile, no coupling
 
 
 def test_the_link_time_of_two_ops_at_once_comes_from_the_profile(tmp_path):

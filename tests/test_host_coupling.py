@@ -7,7 +7,7 @@ import time
 import pytest
 
 from neuronabox.collectives import Op
-from neuronabox.emu.host_coupling import MIN_RATE, HostCoupling, busy_rate_from_profile
+from neuronabox.emu.host_effects.host_coupling import MIN_RATE, HostCoupling, busy_rate_from_profile
 from neuronabox.emu.timeline import OpRecord
 
 
@@ -219,13 +219,13 @@ def test_time_an_op_lost_to_compute_is_link_time_a_second_op_can_fill(monkeypatc
         cpu = FakeCPU()
         tl = Timeline("c", (0, 1), linear_100m(), Recorder())
         tl.slots = 2
-        tl.coupling = HostCoupling(0.5, cpu)
+        tl.attach(HostCoupling(0.5, cpu))
         now[0] = 10.0
         a = tl.schedule(Op.ALL_REDUCE, 2_100_000)
         now[0] = 10.036  # the host computed all 36 ms (busy) or slept
         cpu.t = 0.036 if busy else 0.0
         b = tl.schedule(Op.ALL_REDUCE, 373_000)
-        assert tl.coupling.lost(a) == pytest.approx(0.018 if busy else 0.0)
+        assert tl.effect(HostCoupling).lost(a) == pytest.approx(0.018 if busy else 0.0)
         now[0] = 20.0
         tl.settle(b)
         ends[busy] = (a.end, b.end)
@@ -239,7 +239,7 @@ def test_time_an_op_lost_to_compute_is_link_time_a_second_op_can_fill(monkeypatc
 
 # ---- footprint: the op's CPU spent for real, competing with the training thread ------------------
 def test_footprint_spends_the_cost_in_cpu_time_and_completes_after_it():
-    from neuronabox.emu.footprint import Footprint
+    from neuronabox.emu.host_effects.footprint import Footprint
 
     fp = Footprint(0.0, 0.0)
     a, b = rec(0, 0.0, 0.0), rec(1, 0.0, 0.0)
@@ -259,7 +259,7 @@ def test_footprint_spends_the_cost_in_cpu_time_and_completes_after_it():
 
 def test_footprint_spends_an_ops_cpu_as_its_bytes_move():
     """Not all at issue: spent up front, a 100 Mbit/s op's CPU took a burst from the compute beside it."""
-    from neuronabox.emu.footprint import Footprint
+    from neuronabox.emu.host_effects.footprint import Footprint
 
     fp = Footprint(0.0, 0.0)
     t = time.perf_counter()
@@ -277,8 +277,8 @@ def test_footprint_spends_an_ops_cpu_as_its_bytes_move():
 
 def test_an_op_whose_cpu_is_most_of_its_time_completes_with_its_end(monkeypatch):
     """Each paced quantum starts when its first part falls due: the last one ends with the op, not a quantum past it."""
-    from neuronabox.emu import footprint
-    from neuronabox.emu.footprint import Footprint
+    from neuronabox.emu.host_effects import footprint
+    from neuronabox.emu.host_effects.footprint import Footprint
 
     monkeypatch.setattr(footprint, "QUANTUM", 0.040)  # coarse, so a quantum's lag would show
     fp = Footprint(0.0, 0.0)
@@ -295,7 +295,7 @@ def test_an_op_whose_cpu_is_most_of_its_time_completes_with_its_end(monkeypatch)
 
 
 def test_footprint_cost_scales_by_the_bytes_each_rank_moves():
-    from neuronabox.emu.footprint import Footprint, cpu_cost_from_profile
+    from neuronabox.emu.host_effects.footprint import Footprint, cpu_cost_from_profile
 
     assert cpu_cost_from_profile({"cpu_cost": {"per_op_s": 1e-4, "per_byte_s": 2e-9}}) == (1e-4, 2e-9)
     assert cpu_cost_from_profile({"busy_progress": {"rate": 0.5}}) is None
@@ -311,12 +311,12 @@ def test_footprint_slows_compute_on_the_same_core(emulate_const):
 
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("needs sched_setaffinity")
-    from neuronabox.emu.footprint import Footprint
+    from neuronabox.emu.host_effects.footprint import Footprint
 
     emu = emulate_const(0.001, None).current()
-    emu.footprint = Footprint(0.040, 0.0)  # every op costs 40 ms of CPU
+    fp = Footprint(0.040, 0.0)  # every op costs 40 ms of CPU
     for tl in emu.timelines:
-        tl.footprint = emu.footprint
+        tl.attach(fp)
     old = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(old)})  # the footprint thread and this one share one core
     try:
@@ -345,6 +345,7 @@ def test_footprint_slows_compute_on_the_same_core(emulate_const):
 def test_the_footprint_s_own_cpu_does_not_count_as_compute():
     """Otherwise a rank waiting on an op would count as computing while the footprint spins."""
     from neuronabox.emu.emulator import Emulator
+    from neuronabox.emu.host_effects.footprint import Footprint
     from neuronabox.model.base import CommModel, Estimate, Group
     from neuronabox.topology import parse_topology
 
@@ -358,21 +359,22 @@ def test_the_footprint_s_own_cpu_does_not_count_as_compute():
     topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 1Gbps, latency: 10us}}\n"
                           "emulation: {library: gloo}\n")
     emu = Emulator(topo, 0, Const(topo))
-    assert emu.busy_rate == 0.1 and emu.footprint is not None
+    fp = emu.effect(Footprint)
+    assert emu.effect(HostCoupling).busy_rate == 0.1 and fp is not None
     tl = emu.new_timeline(Group.of((0, 1)))
-    assert tl.coupling is not None and tl.footprint is emu.footprint
+    assert tl.effect(HostCoupling) is not None and tl.effect(Footprint) is fp
     c0, p0 = emu._compute_cpu(), time.process_time()
     r = tl.schedule(Op.ALL_REDUCE, 64)
-    emu.footprint.wait(r)
+    fp.wait(r)
     spent = time.process_time() - p0
     assert spent >= 0.028 and emu._compute_cpu() - c0 < 0.005
-    emu.footprint.stop()
+    fp.stop()
     emu.waker.stop()
 
 
 def test_the_footprint_spends_what_the_slowest_rank_lost_beside_an_op():
     """The host's CPU cost is scaled to the compute the slowest rank measurably lost beside an op."""
-    from neuronabox.emu.footprint import cpu_cost_from_profile, interference
+    from neuronabox.emu.host_effects.footprint import cpu_cost_from_profile, interference
 
     cost = {"per_op_s": 0.0, "per_byte_s": 1e-9}
     busy = {"rate": 0.5, "size": 4_000_000, "lost_compute_s": [0.003, 0.006]}
@@ -389,7 +391,7 @@ def test_the_footprint_spends_what_the_slowest_rank_lost_beside_an_op():
 
 def test_the_surplus_over_an_ops_cpu_is_spent_beside_it_and_never_holds_it_up():
     """scale 3: the op completes once its own CPU is spent; the surplus goes on only until its modeled end."""
-    from neuronabox.emu.footprint import Footprint
+    from neuronabox.emu.host_effects.footprint import Footprint
 
     fp = Footprint(0.0, 0.0, scale=3.0)
     t = time.perf_counter()
@@ -415,7 +417,7 @@ def test_the_surplus_over_an_ops_cpu_is_spent_beside_it_and_never_holds_it_up():
 
 def test_an_ops_cost_goes_before_another_ops_surplus():
     """DDP's second bucket, issued while the first runs: its cost does not wait for the first's surplus."""
-    from neuronabox.emu.footprint import Footprint
+    from neuronabox.emu.host_effects.footprint import Footprint
 
     fp = Footprint(0.0, 0.0, scale=3.0)
     t = time.perf_counter()
@@ -435,7 +437,7 @@ def test_an_ops_cost_goes_before_another_ops_surplus():
 
 def test_an_op_beside_a_running_one_spends_its_cpu_from_then():
     """With ``since`` the CPU spreads from the op's issue, not only over its link time after the other op."""
-    from neuronabox.emu.footprint import Footprint
+    from neuronabox.emu.host_effects.footprint import Footprint
 
     fp = Footprint(0.0, 0.0)
     t = time.perf_counter()

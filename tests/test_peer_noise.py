@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from neuronabox.emu.straggler import ComputeSkew
+from neuronabox.emu.host_effects.compute_skew import ComputeSkew
 from neuronabox.emu.timeline import Recorder
 
 from .conftest import run_nbox

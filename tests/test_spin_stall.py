@@ -7,7 +7,7 @@ import time
 import pytest
 
 from neuronabox.collectives import Op
-from neuronabox.emu.spin_stall import BACK_TO_BACK_S, SpinStall
+from neuronabox.emu.host_effects.spin_stall import BACK_TO_BACK_S, SpinStall
 
 
 def profile(cells: list[tuple[int, float, list[list[float]]]]) -> dict:
@@ -77,9 +77,7 @@ def _timeline(stall: SpinStall):
             return Estimate(0.001, "const")
 
     topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 1Gbps, latency: 10us}}\n")
-    tl = Timeline("comm0", Group((0, 1)), Const(topo), Recorder())
-    tl.stall = stall
-    return tl
+    return Timeline("comm0", Group((0, 1)), Const(topo), Recorder(), [stall])
 
 
 def test_an_op_issued_on_an_idle_communicator_lasts_its_stall_longer():
@@ -118,7 +116,8 @@ def test_an_op_issued_in_another_s_stall_moves_its_bytes_while_the_link_waits():
     for wall in (0.003, 0.0):
         tl = Timeline("comm0", Group((0, 1)), LinkBound(topo), Recorder())
         tl.slots = 2
-        tl.stall = SpinStall({(1 << 20, 0.02): [(0, [wall, 0.0, 0.0])]}) if wall else None
+        if wall:
+            tl.attach(SpinStall({(1 << 20, 0.02): [(0, [wall, 0.0, 0.0])]}))
         t = time.perf_counter()
         first = tl.schedule(Op.ALL_REDUCE, 1 << 20, ready=t)
         second = tl.schedule(Op.ALL_REDUCE, 1 << 19, ready=t + 0.0005)
@@ -139,11 +138,12 @@ def test_an_op_drawn_faster_than_the_profile_s_time_is_shorter_not_early():
 
 
 def test_the_real_rank_s_own_spin_is_spent_on_its_core_unscaled_and_never_holds_the_op():
-    from neuronabox.emu.footprint import Footprint
+    from neuronabox.emu.host_effects.footprint import Footprint
 
     tl = _timeline(SpinStall.from_profile(profile([(4, 0.02, [[0.040, 0.015, 0.015]])])))
     # Scale 3 multiplies the calibrated cost (here none) but not the measured spin.
-    tl.footprint = fp = Footprint(0.0, 0.0, scale=3.0)
+    fp = Footprint(0.0, 0.0, scale=3.0)
+    tl.attach(fp)
     t = time.perf_counter()
     r = tl.schedule(Op.ALL_REDUCE, 4, ready=t)
     fp.wait(r)
@@ -166,7 +166,7 @@ def test_a_communicator_draws_from_one_measured_process_group():
 
 
 def test_the_footprint_scale_leaves_out_what_the_spins_took():
-    from neuronabox.emu.footprint import interference
+    from neuronabox.emu.host_effects.footprint import interference
 
     cost = {"per_op_s": 0.0, "per_byte_s": 1e-9}
     busy = {"rate": 0.5, "size": 4_000_000, "lost_compute_s": [0.006, 0.008]}
@@ -193,11 +193,11 @@ def test_the_emulator_draws_stalls_only_for_a_modeled_cpu_library():
         topo = parse_topology("cluster: {nodes: 2}\nnetwork: {link: {bandwidth: 1Gbps, latency: 10us}}\n"
                               f"emulation: {{library: {library}}}\n")
         emu = Emulator(topo, 0, model=Profiled(topo))
-        assert (emu.new_timeline(Group((0, 1))).stall is not None) is expect
+        assert (emu.new_timeline(Group((0, 1))).effect(SpinStall) is not None) is expect
 
 
 def test_the_wire_thread_waits_a_stall_spending_its_spin_in_cpu():
-    from neuronabox.emu.spin_stall import wait_spinning
+    from neuronabox.emu.host_effects.spin_stall import wait_spinning
 
     t, c = time.perf_counter(), time.thread_time()
     wait_spinning(0.030, 0.010)

@@ -273,7 +273,7 @@ def calibrate(
         console.print(f"busy progress: an all-reduce of {format_size(busy['size'])} moves at {busy['rate']:.2f} of its idle "
                       f"speed while the ranks compute (idle {busy['idle_s'] * 1e3:.2f} ms)")
     if cpu:
-        from ..emu.footprint import interference
+        from ..emu.host_effects.footprint import interference
 
         k = interference(doc)
         console.print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.0f} us + {cpu['per_byte_s'] * 1e9:.2f} ns/B per all-reduce "

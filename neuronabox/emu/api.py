@@ -19,8 +19,9 @@ from ..topology import Topology, load_topology, topology_from_dict
 from . import emulator as _emulator
 from .emulator import Emulator
 from .environ import prepare_env
+from .host_effects.compute_skew import StragglerHook
 from .launch import install, uninstall
-from .timeline import Recorder, StragglerHook
+from .timeline import Recorder
 
 __all__ = ["init", "step", "recorder", "current", "shutdown"]
 

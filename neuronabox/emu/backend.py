@@ -1,9 +1,9 @@
 """The ``nbox`` torch.distributed backend: a pure-Python ProcessGroup whose peers are emulated.
 
 Each collective (1) applies the mirror data semantics of DESIGN.md (every emulated peer
-holds the same data as the real rank: SUM all-reduce gives x*n, all-gather n copies, ...),
-(2) is queued on its communicator's FIFO ``Timeline`` and (3) returns a ``Work`` that
-completes at the modeled finish time.
+holds the same data as the real rank: SUM all-reduce gives x*n, all-gather n copies, ...;
+``mirror.py``), (2) is queued on its communicator's FIFO ``Timeline`` and (3) returns a
+``Work`` that completes at the modeled finish time (``work.py``).
 
 CPU tensors: the data is written at the call (a caller may read outputs only after
 ``wait()``, as with any backend); ``wait()`` sleeps until the finish time in the calling
@@ -27,7 +27,6 @@ are kept as aliases for other torch versions.
 
 from __future__ import annotations
 
-import datetime
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -37,375 +36,25 @@ from ..collectives import Op
 from ..model.base import Group, rank_sequence
 from . import cuda_wait, start_gate
 from .group_table import TABLE
-from .timeline import OpRecord, Timeline, clock, sleep_until, tune_thread_timer_slack
+from .mirror import (UnsupportedCollective, fit_copy, no_grad_call, reduce_inplace, same_storage, split_offsets,
+                     tensor_bytes)
+from .timeline import Timeline, clock
+from .work import FORCE_AFTER_S, GroupWork, NboxWork, ReplayedWork, done_work
 
 if TYPE_CHECKING:
     from .emulator import Emulator
 
+# NboxWork, ReplayedWork, FORCE_AFTER_S (work.py) and UnsupportedCollective (mirror.py) are named
+# here too: the backend's face, as callers and tests have always imported them.
 __all__ = [
     "BACKEND_NAME", "NboxProcessGroup", "NboxWork", "ReplayedWork", "register", "create_process_group",
-    "UnsupportedCollective",
+    "UnsupportedCollective", "FORCE_AFTER_S",
 ]
 
 BACKEND_NAME = "nbox"
 
-_RedOp = dist.ReduceOp.RedOpType
-# A replayed op that a future waits on, unresolved while the real rank made no call this long, is
-# taken to have all its ranks there (replay.py's forced resolution).
-FORCE_AFTER_S = 2.0
 _CPU = torch.device("cpu")
 _warned_cuda_fallback = False
-
-
-class UnsupportedCollective(NotImplementedError):
-    """A torch.distributed call the nbox backend does not emulate."""
-
-
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _reduce_inplace(t: torch.Tensor, op, n: int) -> None:
-    """Reduce ``n`` identical copies of ``t`` into ``t`` (``op`` is a ReduceOp)."""
-    kind = op.op
-    if kind == _RedOp.SUM:
-        if n != 1 and t.dtype != torch.bool:  # a bool SUM is an OR: x | x = x
-            t.mul_(n)
-    elif kind == _RedOp.AVG or kind == _RedOp.MAX or kind == _RedOp.MIN or kind == _RedOp.BAND or kind == _RedOp.BOR:
-        pass
-    elif kind == _RedOp.PRODUCT:
-        if n != 1:
-            t.pow_(n)
-    elif kind == _RedOp.PREMUL_SUM:
-        # torch: every rank multiplies its input by the factor, then the inputs are summed.
-        factor = op.factor
-        if isinstance(factor, torch.Tensor):
-            t.mul_(factor.to(device=t.device, dtype=t.dtype) * n)
-        else:
-            t.mul_(factor * n)
-    elif kind == _RedOp.BXOR:
-        if n % 2 == 0:
-            t.zero_()
-    else:
-        raise UnsupportedCollective(f"nbox: reduce operation {kind} is not supported")
-
-
-def _no_grad_call(fn: Callable[[], None]) -> None:
-    # torch.no_grad() as a context manager costs a few microseconds per op; the raw switch does not.
-    if torch.is_grad_enabled():
-        torch._C._set_grad_enabled(False)
-        try:
-            fn()
-        finally:
-            torch._C._set_grad_enabled(True)
-    else:
-        fn()
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _fit_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into ``dst``; when the element counts differ copy the common prefix and zero the rest."""
-    if dst.numel() == src.numel():
-        dst.copy_(src.reshape(dst.shape))
-        return
-    k = min(dst.numel(), src.numel())
-    flat = dst.view(-1) if dst.is_contiguous() else None
-    if flat is None:
-        tmp = torch.zeros(dst.numel(), dtype=dst.dtype, device=dst.device)
-        tmp[:k].copy_(src.reshape(-1)[:k])
-        dst.copy_(tmp.view(dst.shape))
-        return
-    flat[:k].copy_(src.reshape(-1)[:k])
-    flat[k:].zero_()
-
-
-def _split_offsets(total: int, splits: Sequence[int], n: int) -> tuple[list[int], list[int]]:
-    if not splits:
-        if total % n:
-            raise ValueError(f"nbox: all_to_all_single: dim 0 ({total}) is not divisible by the group size ({n})")
-        splits = [total // n] * n
-    offsets, acc = [], 0
-    for s in splits:
-        offsets.append(acc)
-        acc += s
-    return list(splits), offsets
-
-
-class NboxWork(dist.Work):
-    """An emulated op's handle: complete at the modeled finish time."""
-
-    def __init__(
-        self,
-        record: OpRecord,
-        result,
-        emulator: Emulator,
-        event=None,
-        device: torch.device | None = None,
-        source_rank: int = -1,
-    ):
-        super().__init__()
-        self._rec = record
-        self._result = result
-        self._emu = emulator
-        self._event = event  # CUDA path: recorded on the comm stream after the op
-        self._device = device
-        self._future = None
-        self._done = False
-        self._source = source_rank
-
-    @property
-    def record(self) -> OpRecord:
-        """The timeline record of this op."""
-        return self._rec
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """CPU: sleep until the modeled finish. CUDA: make the current stream wait (the CPU does not block)."""
-        if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
-            return True
-        roles = self._emu.role_recorder
-        if roles is not None:  # a profiling run: the wait is not the role's compute
-            roles.wait_begins(self._rec)
-            try:
-                return self._wait(timeout)
-            finally:
-                roles.wait_ends()
-        return self._wait(timeout)
-
-    def _wait(self, timeout: datetime.timedelta | None) -> bool:
-        if self._done:
-            return True
-        rec = self._rec
-        now = clock()
-        coupled = rec.coupled
-        if now < rec.end or (coupled is not None and not coupled.settle(rec)):
-            limit = timeout.total_seconds() if timeout else 0.0
-            tune_thread_timer_slack()
-            while True:
-                if limit > 0 and rec.end - now > limit:
-                    sleep_until(now + limit)
-                    rec.wait += clock() - now
-                    raise RuntimeError(
-                        f"nbox: {rec.op.value} on {rec.comm} timed out after {limit:.3f}s "
-                        f"(it finishes {rec.end - now:.3f}s after the wait began)"
-                    )
-                sleep_until(rec.end)
-                # A host-coupled op's end assumed an idle host; while we slept it was, so one
-                # more settle normally finds it done (other threads may have computed meanwhile).
-                if coupled is None or coupled.settle(rec):
-                    break
-            after = clock()
-            rec.wait += after - now
-            if rec.completed is None:
-                rec.completed = after
-        fp = rec.footprint
-        if fp is not None and not fp.done(rec):
-            t = clock()
-            fp.wait(rec)  # the op's CPU is not spent yet: the core was busy with compute
-            after = clock()
-            rec.wait += after - t
-            rec.completed = after
-        self._done = True
-        return True
-
-    def synchronize(self) -> None:
-        """Like ``wait``."""
-        self.wait()
-
-    def block_current_stream(self) -> None:
-        """Make the current stream wait for this op (CPU: wait)."""
-        self.wait()
-
-    def is_completed(self) -> bool:
-        """Whether the modeled finish time has passed (CUDA: whether the device got there)."""
-        if self._event is not None:
-            return self._event.query()
-        return self._done or _over(self._rec)
-
-    def is_success(self) -> bool:
-        """Emulated ops never fail."""
-        return True
-
-    def exception(self):
-        """No exception: emulated ops never fail."""
-        return None
-
-    def result(self):
-        """The output tensors."""
-        return self._result
-
-    def source_rank(self) -> int:
-        """The peer a ``recv_anysource`` received from."""
-        return self._source
-
-    def get_future(self) -> torch.futures.Future:
-        """A future that completes at the finish time with the output tensors."""
-        if self._future is not None:
-            return self._future
-        if self._event is not None:
-            self._future = _cuda_future(self._event, self._device, self._result)
-            return self._future
-        fut = torch.futures.Future()
-        self._future = fut
-        rec, result = self._rec, self._result
-        coupled, fp, waker = rec.coupled, rec.footprint, self._emu.waker
-        if _over(rec):
-            fut.set_result(result)
-        else:
-
-            def complete(now: float) -> None:
-                if coupled is not None and not coupled.settle(rec):
-                    waker.at(rec.end, complete)  # the host computed meanwhile: the end moved
-                    return
-                if fp is not None and not fp.done(rec):
-                    fp.when_done(rec, complete)  # its CPU is not spent yet
-                    return
-                if rec.completed is None:
-                    rec.completed = now
-                fut.set_result(result)
-
-            waker.at(rec.end, complete)
-        return fut
-
-
-def _over(rec: OpRecord) -> bool:
-    """Whether a host-timed op has finished now: its modeled end passed, its progress (host coupling) and its CPU (footprint) done."""
-    if rec.footprint is not None and not rec.footprint.done(rec):
-        return False
-    return clock() >= rec.end and (rec.coupled is None or rec.coupled.settle(rec))
-
-
-def _cuda_future(event, device: torch.device, result) -> torch.futures.Future:
-    # A CUDA-aware future records events on the current streams at set_result; run that on a side
-    # stream that waits for this op only (the comm stream may already hold later ops).
-    side = torch.cuda.Stream(device=device)
-    side.wait_event(event)
-    fut = torch.futures.Future(devices=[device])
-    with torch.cuda.device(device), torch.cuda.stream(side):
-        fut.set_result(result)
-    return fut
-
-
-class ReplayedWork(NboxWork):
-    """An op shared with a replayed rank of another role (replay.py): its end may be known only after later calls."""
-
-    def __init__(self, record: OpRecord, result, emulator: Emulator, instance, source_rank: int = -1, into=()):
-        super().__init__(record, result, emulator, source_rank=source_rank)
-        self._inst = instance
-        self._into = into  # a receive: the sender's recorded values, where its profile kept them
-
-    def _deliver(self) -> None:
-        payload = self._inst.payload
-        if payload is None or len(self._into) != 1:
-            return
-        t = self._into[0]
-        dtype, values = payload
-        if len(values) == t.numel() and str(t.dtype).removeprefix("torch.") == dtype:
-            with torch.no_grad():
-                t.copy_(torch.tensor(values, dtype=t.dtype).reshape(t.shape))
-        self._into = ()
-
-    def _wait(self, timeout: datetime.timedelta | None) -> bool:
-        if self._done:
-            return True
-        # The real rank makes no further call while it waits: whatever the op needs is known now.
-        self._emu.replay.settle(self._inst, force=True)
-        self._deliver()
-        rec = self._rec
-        now = clock()
-        if now < rec.end:
-            tune_thread_timer_slack()
-            sleep_until(rec.end)
-            after = clock()
-            rec.wait += after - now
-            rec.completed = after
-        elif rec.completed is None:
-            rec.completed = now
-        self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the op's end is known and has passed."""
-        return self._done or (self._emu.replay.settle(self._inst, force=False) and clock() >= self._rec.end)
-
-    def get_future(self) -> torch.futures.Future:
-        """A future completed at the op's end, once a later call of the real rank has fixed it."""
-        if self._future is None:
-            fut = self._future = torch.futures.Future()
-            rec, result, waker = self._rec, self._result, self._emu.waker
-
-            def complete(now: float) -> None:
-                if rec.completed is None:
-                    rec.completed = now
-                self._deliver()
-                fut.set_result(result)
-
-            replay, inst = self._emu.replay, self._inst
-            replay.when_resolved(inst, lambda end: waker.at(end, complete))
-            if inst.end is None:
-                # Torch may wait on this future from C++ (DDP's reducer), where no Python call of
-                # the real rank can come to resolve it: if none has come for a while, force it.
-                calls = replay.real_calls
-
-                def stalled(now: float) -> None:
-                    if inst.end is None:
-                        if replay.real_calls == calls:
-                            replay.settle(inst, force=True)
-                        else:
-                            waker.at(now + FORCE_AFTER_S, stalled)
-
-                waker.at(clock() + FORCE_AFTER_S, stalled)
-        return self._future
-
-
-class _GroupWork(NboxWork):
-    """The works issued between ``start_coalescing`` and ``end_coalescing``: done when all are."""
-
-    def __init__(self, works: list[NboxWork], emulator: Emulator):
-        # Hybrid works (hybrid.py) complete when their real part is done too; device-timed ones learn their end later.
-        self._hybrid = any(hasattr(w, "hybrid") or isinstance(w, ReplayedWork) for w in works)
-        if self._hybrid or any(w._event is not None for w in works):
-            last = works[-1]  # device-timed: the last one issued (same stream, FIFO) ends last
-        else:
-            last = max(works, key=lambda w: w._rec.end)
-        super().__init__(last._rec, [w._result for w in works], emulator, last._event, last._device)
-        self._works = works
-
-    def get_future(self) -> torch.futures.Future:
-        """A future that completes when every op of the group has."""
-        if not self._hybrid:
-            return super().get_future()
-        if self._future is None:
-            results = self._result
-
-            def all_done(fut):
-                for f in fut.value():
-                    f.value()  # raises the first failure
-                return results
-
-            self._future = torch.futures.collect_all([w.get_future() for w in self._works]).then(all_done)
-        return self._future
-
-    def is_success(self) -> bool:
-        """Whether every op of the group succeeded."""
-        return all(w.is_success() for w in self._works)
-
-    def exception(self):
-        """The first op's failure, if any."""
-        return next((e for w in self._works if (e := w.exception()) is not None), None)
-
-    def wait(self, timeout=None) -> bool:
-        """Wait for every op of the group."""
-        for w in self._works:
-            w.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether every op of the group completed."""
-        return all(w.is_completed() for w in self._works)
 
 
 class NboxProcessGroup(dist.ProcessGroup):
@@ -503,7 +152,7 @@ class NboxProcessGroup(dist.ProcessGroup):
         if self._record_roles is not None:
             self._record_roles.op(self.ordinal, op, nbytes, peer if peer >= 0 else root, send, rec, tensors)
         if mirror is not None:
-            _no_grad_call(mirror)
+            no_grad_call(mirror)
         return self._track(NboxWork(rec, result, self._emu, source_rank=source_rank))
 
     def _replayed(self, op, nbytes, root, tl, tensors, mirror, result, peer, send, source_rank) -> NboxWork:
@@ -516,7 +165,7 @@ class NboxProcessGroup(dist.ProcessGroup):
         if self._record_roles is not None:  # a profiling run replaying the roles recorded before this one
             self._record_roles.op(self.ordinal, op, nbytes, peer if peer >= 0 else root, send, rec, tensors)
         if mirror is not None:
-            _no_grad_call(mirror)
+            no_grad_call(mirror)
         into = tensors if op is Op.SEND_RECV and not send else ()
         return self._track(ReplayedWork(rec, result, self._emu, inst, source_rank, into))
 
@@ -549,9 +198,9 @@ class NboxProcessGroup(dist.ProcessGroup):
 
         def mirror():
             for t in tensors:
-                _reduce_inplace(t, op, n)
+                reduce_inplace(t, op, n)
 
-        return self._issue(Op.ALL_REDUCE, _nbytes(tensors), tensors, mirror, tensors)
+        return self._issue(Op.ALL_REDUCE, tensor_bytes(tensors), tensors, mirror, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """Several all-reduces launched as one (NCCL groups them): one op of the total size."""
@@ -566,7 +215,7 @@ class NboxProcessGroup(dist.ProcessGroup):
             return self._track(self._real(tensors[0]).broadcast(self, tensors, root))
         if self._wire is not None and (w := self._wire.broadcast(self, tensors, root)) is not None:  # wire mode hook
             return self._track(w)
-        return self._issue(Op.BROADCAST, _nbytes(tensors), tensors, None, tensors, root)
+        return self._issue(Op.BROADCAST, tensor_bytes(tensors), tensors, None, tensors, root)
 
     def reduce(self, tensors, opts=None):
         """Reduce: on the real rank as root the result is the mirrored reduction; elsewhere the input is left."""
@@ -582,9 +231,9 @@ class NboxProcessGroup(dist.ProcessGroup):
 
             def mirror():
                 for t in tensors:
-                    _reduce_inplace(t, op, n)
+                    reduce_inplace(t, op, n)
 
-        return self._issue(Op.REDUCE, _nbytes(tensors), tensors, mirror, tensors, root)
+        return self._issue(Op.REDUCE, tensor_bytes(tensors), tensors, mirror, tensors, root)
 
     # --- all-gather ---------------------------------------------------------------------------------
 
@@ -605,7 +254,7 @@ class NboxProcessGroup(dist.ProcessGroup):
                         o.copy_(x)
 
         outs_flat = [o for outs in output_tensors for o in outs]
-        return self._issue(Op.ALL_GATHER, _nbytes(outs_flat), outs_flat + list(input_tensors), mirror, output_tensors)
+        return self._issue(Op.ALL_GATHER, tensor_bytes(outs_flat), outs_flat + list(input_tensors), mirror, output_tensors)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """Coalesced all-gather of several tensors: output_lists[i][j] is rank i's input j."""
@@ -618,10 +267,10 @@ class NboxProcessGroup(dist.ProcessGroup):
                     o.copy_(x)
 
         outs_flat = [o for outs in output_lists for o in outs]
-        return self._issue(Op.ALL_GATHER, _nbytes(outs_flat), outs_flat + list(input_list), mirror, output_lists)
+        return self._issue(Op.ALL_GATHER, tensor_bytes(outs_flat), outs_flat + list(input_list), mirror, output_lists)
 
     def _gather_into(self, output: torch.Tensor, inp: torch.Tensor) -> None:
-        src = inp.clone() if _same_storage(inp, output) else inp
+        src = inp.clone() if same_storage(inp, output) else inp
         n = self._n
         if output.is_contiguous():
             output.view(n, -1).copy_(src.reshape(1, -1))
@@ -635,7 +284,7 @@ class NboxProcessGroup(dist.ProcessGroup):
         if self._wire is not None and (w := self._wire.all_gather(self, output, input)) is not None:  # wire mode hook
             return self._track(w)
         return self._issue(
-            Op.ALL_GATHER, _nbytes([output]), [output, input], lambda: self._gather_into(output, input), [output]
+            Op.ALL_GATHER, tensor_bytes([output]), [output, input], lambda: self._gather_into(output, input), [output]
         )
 
     _allgather_base = all_gather_single
@@ -650,7 +299,7 @@ class NboxProcessGroup(dist.ProcessGroup):
             for o, x in zip(outputs, inputs):
                 self._gather_into(o, x)
 
-        return self._issue(Op.ALL_GATHER, _nbytes(outputs), list(outputs) + list(inputs), mirror, list(outputs))
+        return self._issue(Op.ALL_GATHER, tensor_bytes(outputs), list(outputs) + list(inputs), mirror, list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -672,19 +321,19 @@ class NboxProcessGroup(dist.ProcessGroup):
                 x = xs[me]
                 if y.data_ptr() != x.data_ptr():
                     y.copy_(x)
-                _reduce_inplace(y, op, n)
+                reduce_inplace(y, op, n)
 
         ins_flat = [x for xs in input_tensors for x in xs]
         return self._issue(
-            Op.REDUCE_SCATTER, _nbytes(ins_flat), list(output_tensors) + ins_flat, mirror, list(output_tensors)
+            Op.REDUCE_SCATTER, tensor_bytes(ins_flat), list(output_tensors) + ins_flat, mirror, list(output_tensors)
         )
 
     def _scatter_reduce_into(self, output: torch.Tensor, inp: torch.Tensor, op) -> None:
         chunk = inp.reshape(self._n, -1)[self._me]
-        if _same_storage(chunk, output):
+        if same_storage(chunk, output):
             chunk = chunk.clone()
         output.copy_(chunk.reshape(output.shape))
-        _reduce_inplace(output, op, self._n)
+        reduce_inplace(output, op, self._n)
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 - torch's name
         """Reduce-scatter of one tensor (``reduce_scatter_tensor``): our chunk, reduced n times."""
@@ -696,7 +345,7 @@ class NboxProcessGroup(dist.ProcessGroup):
             return self._track(w)
         return self._issue(
             Op.REDUCE_SCATTER,
-            _nbytes([input]),
+            tensor_bytes([input]),
             [output, input],
             lambda: self._scatter_reduce_into(output, input, op),
             [output],
@@ -715,7 +364,7 @@ class NboxProcessGroup(dist.ProcessGroup):
             for o, x in zip(outputs, inputs):
                 self._scatter_reduce_into(o, x, op)
 
-        return self._issue(Op.REDUCE_SCATTER, _nbytes(inputs), list(outputs) + list(inputs), mirror, list(outputs))
+        return self._issue(Op.REDUCE_SCATTER, tensor_bytes(inputs), list(outputs) + list(inputs), mirror, list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -729,14 +378,14 @@ class NboxProcessGroup(dist.ProcessGroup):
 
         def mirror():
             src = input_tensors[me]
-            if any(_same_storage(src, o) for o in output_tensors):
+            if any(same_storage(src, o) for o in output_tensors):
                 src = src.clone()
             for o in output_tensors:
-                _fit_copy(o, src)
+                fit_copy(o, src)
 
         return self._issue(
             Op.ALL_TO_ALL,
-            _nbytes(input_tensors),
+            tensor_bytes(input_tensors),
             list(output_tensors) + list(input_tensors),
             mirror,
             list(output_tensors),
@@ -753,20 +402,20 @@ class NboxProcessGroup(dist.ProcessGroup):
                 self._real(input).all_to_all_single(self, output, input, output_split_sizes, input_split_sizes)
             )
         n, me = self._n, self._me
-        in_splits, in_off = _split_offsets(input.shape[0] if input.dim() else input.numel(), input_split_sizes, n)
-        out_splits, out_off = _split_offsets(output.shape[0] if output.dim() else output.numel(), output_split_sizes, n)
+        in_splits, in_off = split_offsets(input.shape[0] if input.dim() else input.numel(), input_split_sizes, n)
+        out_splits, out_off = split_offsets(output.shape[0] if output.dim() else output.numel(), output_split_sizes, n)
 
         def mirror():
             src = input.narrow(0, in_off[me], in_splits[me]) if input.dim() else input
-            if _same_storage(src, output):
+            if same_storage(src, output):
                 src = src.clone()
             for j in range(n):
                 dst = output.narrow(0, out_off[j], out_splits[j]) if output.dim() else output
-                _fit_copy(dst, src)
+                fit_copy(dst, src)
 
         # Uneven splits: a rank receives another volume than it sends (an expert with many tokens); the
         # larger one bounds its time.
-        nbytes = max(_nbytes([input]), _nbytes([output]))
+        nbytes = max(tensor_bytes([input]), tensor_bytes([output]))
         return self._issue(Op.ALL_TO_ALL, nbytes, [output, input], mirror, [output])
 
     alltoall_base = all_to_all_single
@@ -787,7 +436,7 @@ class NboxProcessGroup(dist.ProcessGroup):
                         if o.data_ptr() != x.data_ptr():
                             o.copy_(x)
 
-        nbytes = self._n * _nbytes(input_tensors)
+        nbytes = self._n * tensor_bytes(input_tensors)
         outs_flat = [o for outs in output_tensors for o in outs]
         return self._issue(Op.GATHER, nbytes, list(input_tensors) + outs_flat, mirror, output_tensors, root)
 
@@ -805,7 +454,7 @@ class NboxProcessGroup(dist.ProcessGroup):
                     if y.data_ptr() != xs[me].data_ptr():
                         y.copy_(xs[me])
 
-        nbytes = self._n * _nbytes(output_tensors)
+        nbytes = self._n * tensor_bytes(output_tensors)
         ins_flat = [x for xs in input_tensors for x in xs]
         return self._issue(Op.SCATTER, nbytes, list(output_tensors) + ins_flat, mirror, list(output_tensors), root)
 
@@ -838,7 +487,7 @@ class NboxProcessGroup(dist.ProcessGroup):
                 self._sent[key] = t.detach().clone()
         tl = self._p2p_timeline(dst_rank)
         root = 0 if self.global_ranks[self._me] < self.global_ranks[dst_rank] else 1
-        return self._issue(Op.SEND_RECV, _nbytes(tensors), tensors, None, tensors, root, tl, peer=dst_rank, send=True)
+        return self._issue(Op.SEND_RECV, tensor_bytes(tensors), tensors, None, tensors, root, tl, peer=dst_rank, send=True)
 
     def recv(self, tensors, src_rank, tag=0):
         """Receive from an emulated peer: the last sent tensor of the same shape, dtype and device, else zeros."""
@@ -869,7 +518,7 @@ class NboxProcessGroup(dist.ProcessGroup):
 
         tl = self._p2p_timeline(src)
         root = 0 if self.global_ranks[src] < self.global_ranks[self._me] else 1
-        return self._issue(Op.SEND_RECV, _nbytes(tensors), tensors, mirror, tensors, root, tl, source_rank, peer=src)
+        return self._issue(Op.SEND_RECV, tensor_bytes(tensors), tensors, mirror, tensors, root, tl, source_rank, peer=src)
 
     # --- barriers and coalescing ----------------------------------------------------------------
 
@@ -900,8 +549,8 @@ class NboxProcessGroup(dist.ProcessGroup):
         """One work for everything issued since ``start_coalescing``."""
         works, self._coalescing = self._coalescing or [], None
         if not works:
-            return _done_work(self._emu, self.timeline)
-        return _GroupWork(works, self._emu)
+            return done_work(self._emu, self.timeline)
+        return GroupWork(works, self._emu)
 
     _start_coalescing = start_coalescing
     _end_coalescing = end_coalescing
@@ -918,15 +567,6 @@ class NboxProcessGroup(dist.ProcessGroup):
     def mergeRemoteGroup(self, *args, **kwargs):  # noqa: N802 - the trampoline's name
         """Not emulated."""
         self._unsupported("merge_remote_group")
-
-
-def _done_work(emu: Emulator, timeline: Timeline) -> NboxWork:
-    now = clock()
-    rec = OpRecord(-1, timeline.name, Op.BARRIER, timeline.group, 0, 0, "none", emu.recorder.iteration, now, 0.0, 0.0)
-    rec.ready = rec.start = rec.end = now
-    work = NboxWork(rec, [], emu)
-    work._done = True
-    return work
 
 
 def _cuda_fallback(device: torch.device) -> None:

@@ -18,17 +18,16 @@ from .. import recording
 from ..collectives import Op
 from ..model.base import Collective, CommModel, Group
 from ..topology import Topology, load_topology
-from . import start_gate
-from .footprint import Footprint, cpu_cost_from_profile, interference
+from . import host_effects, start_gate
+from .environ import ENV_MODEL, ENV_REAL_RANK, ENV_REAL_RANKS, ENV_TOPOLOGY
 from .group_table import TABLE
+from .host_effects.base import HostEffect, RunContext, hooks
+from .host_effects.compute_skew import StragglerHook
 from .replay import ENV_ROLE_PARTIAL, ENV_ROLE_PROFILE, Replay
 from .role_record import RoleRecorder
 from .roles import read_profile
-from .host_coupling import HostCoupling, busy_rate_from_profile
-from .spin_stall import SpinStall
-from .straggler import ComputeSkew, compute_factors, role_factors
-from .timeline import Recorder, StragglerHook, Timeline, Waker
-from .environ import ENV_MODEL, ENV_REAL_RANK, ENV_REAL_RANKS, ENV_TOPOLOGY
+from .straggler import role_factors
+from .timeline import Recorder, Timeline, Waker
 
 __all__ = [
     "Emulator", "current", "set_current", "sees_contention", "ENV_TOPOLOGY", "ENV_MODEL", "ENV_REAL_RANK", "ENV_REAL_RANKS",
@@ -43,6 +42,8 @@ class Emulator:
     other communicators' ops are in flight take the model's concurrent duration.
     ``real_ranks`` (default: ``NBOX_REAL_RANKS``, else just ``real_rank``): every rank of the run
     that is a real process; groups with two or more of them run hybrid collectives (hybrid.py).
+    ``straggler``: the caller's own hook for how late a group's slowest rank arrives, in place of
+    the compute skew the topology implies (``host_effects/compute_skew.py``).
     """
 
     def __init__(
@@ -66,11 +67,6 @@ class Emulator:
         self.model: CommModel = model
         self.recorder = Recorder()
         start_gate.install(self.recorder)
-        if straggler is None:
-            factors = compute_factors(topology, real_rank)
-            noise = topology.emulation.peer_noise
-            straggler = ComputeSkew(factors, self.recorder, noise, seed=real_rank) if factors or noise else None
-        self.straggler = straggler
         self.waker = Waker()
         self.timelines: list[Timeline] = []
         self._names = itertools.count()
@@ -98,27 +94,9 @@ class Emulator:
             if real_rank not in self.real_ranks:
                 raise ValueError(f"real rank {real_rank} is not among the real ranks {self.real_ranks}")
             self.hybrid = HybridContext.from_env(self, self.real_ranks)
-        # Host coupling (host_coupling.py): a calibrated CPU library's ops crawl while this process
-        # computes. Model mode only: wire and hybrid ops spend the real CPU themselves.
-        profile = getattr(self.model, "profile", None)
-        # A CPU library whose ops only the model times (no wire, no hybrid real ops).
-        self._modeled_cpu = modeled_cpu = (self.wire is None and self.hybrid is None
-                                           and topology.emulation.library == "gloo")
-        # Footprint (footprint.py): with a calibrated CPU cost, the op's CPU is spent for real on
-        # this rank's cores, so it slows the compute as gloo does; the busy rate still holds the
-        # op back while the compute holds the core (measured on the real ranks, with gloo's own
-        # CPU in the picture). NBOX_FOOTPRINT=0 turns the footprint off (a diagnostic switch).
-        cost = cpu_cost_from_profile(profile) if modeled_cpu and os.environ.get("NBOX_FOOTPRINT", "1") != "0" else None
-        self.footprint: Footprint | None = (Footprint(*cost, scale=interference(profile) or 1.0)
-                                            if cost is not None else None)
-        # Gloo's spin stalls (spin_stall.py): drawn per op from the profile. Also in wire mode,
-        # whose client moves the bytes but is not gloo: the wire thread waits and spins them.
-        # Unseeded: which measured process group a communicator follows differs from run to run,
-        # as the real runs differ (10 Gbit/s MLP: run medians 5.3-9.6 ms, one run in five stalling).
-        gloo_timed = self.hybrid is None and topology.emulation.library == "gloo"
-        self.stall: SpinStall | None = SpinStall.from_profile(profile) if gloo_timed else None
-        rate = busy_rate_from_profile(profile)
-        self.busy_rate: float | None = rate if (rate is not None and rate < 1.0 and modeled_cpu) else None
+        # A CPU library whose ops only the model times (no wire, no hybrid real ops): gloo's two
+        # worker threads run two ops of a communicator at once.
+        self._modeled_cpu = (self.wire is None and self.hybrid is None and topology.emulation.library == "gloo")
         # Roles (roles.py): a profiling run records this rank's program; a replay run lets the
         # ranks of other roles follow theirs.
         self.role_recorder = RoleRecorder.from_env(real_rank)
@@ -131,11 +109,13 @@ class Emulator:
             self.replay = Replay(profile_meta, real_rank, TABLE, self.model, self.world_size,
                                  role_factors(topology, profile_meta.roles if profile_meta.world_size == self.world_size
                                               else None))
-            if isinstance(self.straggler, ComputeSkew):
-                # Replayed ranks carry their own slowness; the clones' hook keeps the rest.
-                for rank in self.replay.actors_ranks():
-                    self.straggler.factors.pop(rank, None)
             self.recorder.iteration_listeners.append(self.replay.real_mark)
+        # Host effects (host_effects/): what the real host does to the ops' timing, from the
+        # topology and the model's calibration profile.
+        self.effects: list[HostEffect] = host_effects.build(RunContext(
+            topology, real_rank, self.recorder, getattr(self.model, "profile", None), wire=self.wire is not None,
+            hybrid=self.hybrid is not None, compute_cpu=self._compute_cpu, replay=self.replay, arrival=straggler))
+        self._spenders = hooks(self.effects, "cpu_spent")
 
     def roles_start(self) -> None:
         """The world group exists: role gaps count from now."""
@@ -148,22 +128,22 @@ class Emulator:
     def new_timeline(self, group: Group, kind: str = "comm") -> Timeline:
         """A fresh communicator timeline: two process groups over the same ranks are still two NCCL communicators."""
         with self._lock:
-            tl = Timeline(f"{kind}{next(self._names)}", group, self.model, self.recorder, self.straggler)
+            parts = [p for e in self.effects if (p := e.for_timeline()) is not None]
+            tl = Timeline(f"{kind}{next(self._names)}", group, self.model, self.recorder, parts)
             if self.contention:
                 tl.contention = self._contended
-            if self.busy_rate is not None:
-                tl.coupling = HostCoupling(self.busy_rate, self._compute_cpu)
-            tl.footprint = self.footprint
-            tl.stall = self.stall.for_communicator(spin_only=self.wire is not None) if self.stall is not None else None
             if self._modeled_cpu:
                 tl.slots = self.topology.emulation.gloo_threads
             self.timelines.append(tl)
         return tl
 
+    def effect(self, kind: type) -> HostEffect | None:
+        """The run's host effect of class ``kind`` (e.g. ``host_effects.footprint.Footprint``), if it is on."""
+        return next((e for e in self.effects if isinstance(e, kind)), None)
+
     def _compute_cpu(self) -> float:
-        # The host's compute is the process's CPU less what the footprint thread spent for the ops.
-        spent = self.footprint.cpu_time() if self.footprint is not None else 0.0
-        return time.process_time() - spent
+        # The host's compute is the process's CPU less what the effects spent for the ops (the footprint's thread).
+        return time.process_time() - sum(spent() for spent in self._spenders)
 
     def _contended(self, timeline: Timeline, op: Op, nbytes: int, root: int, start: float):
         # Ops of other communicators in flight at ``start`` share links with this one. The model

@@ -43,10 +43,11 @@ import torch.distributed as dist
 
 from ..collectives import Op
 from ..errors import InputError
-from .backend import NboxWork, UnsupportedCollective, _no_grad_call
+from .mirror import UnsupportedCollective, no_grad_call
 from .environ import ENV_REAL_RANKS, ENV_REAL_STORE, ENV_REAL_STORE_PREFIX, ENV_REAL_TIMEOUT
 from .hybrid_gloo import GlooRules
 from .timeline import OpRecord, Timeline, clock, sleep_until, tune_thread_timer_slack
+from .work import NboxWork
 
 __all__ = [
     "ENV_REAL_RANKS", "ENV_REAL_STORE", "ENV_REAL_STORE_PREFIX", "ENV_REAL_TIMEOUT",
@@ -521,7 +522,7 @@ class HybridOp:
         """Every data work is done: run the post-processing (mirror copies), note the time, advance."""
         if self.post is not None and self.error is None:
             try:
-                _no_grad_call(self.post)
+                no_grad_call(self.post)
             except BaseException as exc:  # noqa: BLE001
                 self.fail(exc)
         self.data_done = clock()
@@ -651,7 +652,7 @@ class HybridOp:
             self.meta_rows = [mine, row]
             self.meta_done = True
             if self.post is not None:
-                _no_grad_call(self.post)
+                no_grad_call(self.post)
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
         self.data_done = clock()

@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from ..collectives import Op
 from . import cuda_wait
-from .backend import NboxWork, UnsupportedCollective
-from .hybrid_gloo import _base_op, _nbytes, _opts, _pre_reduce
+from .hybrid_gloo import _base_op, _opts, _pre_reduce
+from .mirror import UnsupportedCollective, tensor_bytes
+from .work import NboxWork
 
 if TYPE_CHECKING:
     from .hybrid import HybridGroup
@@ -137,7 +138,7 @@ class NcclRules:
                 works.append(self.pg.allreduce([t], _opts(dist.AllreduceOptions, reduceOp=base)))
             return works
 
-        return self._run(pg, Op.ALL_REDUCE, _nbytes(tensors), 0, tensors, data, None, tensors)
+        return self._run(pg, Op.ALL_REDUCE, tensor_bytes(tensors), 0, tensors, data, None, tensors)
 
     def broadcast(self, pg, tensors, root: int):
         """From the root, or from the real member an emulated root mirrors."""
@@ -146,7 +147,7 @@ class NcclRules:
         def data():
             return [self.pg.broadcast([t], _opts(dist.BroadcastOptions, rootRank=rr, rootTensor=0)) for t in tensors]
 
-        return self._run(pg, Op.BROADCAST, _nbytes(tensors), root, tensors, data, None, tensors)
+        return self._run(pg, Op.BROADCAST, tensor_bytes(tensors), root, tensors, data, None, tensors)
 
     def _gather_rows(self, inputs):
         g = self.g
@@ -168,7 +169,7 @@ class NcclRules:
                 out.copy_(rows.reshape(out.shape))
 
         tensors = list(outputs) + list(inputs)
-        return self._run(pg, Op.ALL_GATHER, _nbytes(outputs), 0, tensors, data, post, list(outputs))
+        return self._run(pg, Op.ALL_GATHER, tensor_bytes(outputs), 0, tensors, data, post, list(outputs))
 
     def allgather(self, pg, output_lists, inputs, coalesced: bool):
         """List form of ``all_gather_single``."""
@@ -182,7 +183,7 @@ class NcclRules:
                     dst.copy_(b[g.mirror[j]].reshape(dst.shape))
 
         outs = [o for outs in output_lists for o in outs]
-        return self._run(pg, Op.ALL_GATHER, _nbytes(outs), 0, outs + list(inputs), data, post, output_lists)
+        return self._run(pg, Op.ALL_GATHER, tensor_bytes(outs), 0, outs + list(inputs), data, post, output_lists)
 
     def reduce_scatter_single(self, pg, outputs, inputs, op):
         """The real members' chunks reduced; each keeps its own."""
@@ -205,7 +206,7 @@ class NcclRules:
             for y, stack in zip(outputs, stacks):
                 y.copy_(stack[g.me].reshape(y.shape))
 
-        return self._run(pg, Op.REDUCE_SCATTER, _nbytes(inputs), 0, list(outputs) + list(inputs), data, post,
+        return self._run(pg, Op.REDUCE_SCATTER, tensor_bytes(inputs), 0, list(outputs) + list(inputs), data, post,
                          list(outputs))
 
     def barrier(self, pg):

@@ -7,14 +7,14 @@ members run for each op so that every member ends with the data the whole group'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from ..collectives import Op
 from ..model.base import Group
-from .backend import _fit_copy, _reduce_inplace, _split_offsets
+from .mirror import fit_copy, reduce_inplace, split_offsets, tensor_bytes
 
 if TYPE_CHECKING:
     from .hybrid import HybridGroup, HybridWork
@@ -44,7 +44,7 @@ def _pre_reduce(t: torch.Tensor, op, c: int, n: int) -> bool:
         return True
     if op.op == _RedOp.SUM and t.dtype == torch.bool:
         return False
-    _reduce_inplace(t, op, c)
+    reduce_inplace(t, op, c)
     return False
 
 
@@ -83,7 +83,7 @@ class GlooRules:
     def allreduce(self, pg, tensors, op) -> HybridWork:
         """Each real member folds in its mirrored copies, then the real members all-reduce among themselves."""
         g = self.g
-        h = g.start(pg.timeline, Op.ALL_REDUCE, _nbytes(tensors), 0, tensors)
+        h = g.start(pg.timeline, Op.ALL_REDUCE, tensor_bytes(tensors), 0, tensors)
         c, base = g.counts[g.me], _base_op(op)
         works, fixups = [], []
         with torch.no_grad():
@@ -99,7 +99,7 @@ class GlooRules:
     def broadcast(self, pg, tensors, root: int) -> HybridWork:
         """From the root, or from the real member an emulated root mirrors."""
         g = self.g
-        h, agreed = g.rooted(pg.timeline, Op.BROADCAST, _nbytes(tensors), root, tensors)
+        h, agreed = g.rooted(pg.timeline, Op.BROADCAST, tensor_bytes(tensors), root, tensors)
         if agreed is None:
             return g.finish(h, [])
         rr = g.mirror[agreed]  # an emulated root holds what its mirror holds
@@ -114,11 +114,11 @@ class GlooRules:
     def reduce(self, pg, tensors, op, root: int) -> HybridWork:
         """Like all-reduce, into the root's buffer only (an emulated root's mirror reduces a scratch copy)."""
         g = self.g
-        h, agreed = g.rooted(pg.timeline, Op.REDUCE, _nbytes(tensors), root, tensors)
+        h, agreed = g.rooted(pg.timeline, Op.REDUCE, tensor_bytes(tensors), root, tensors)
         if agreed is None:
             with torch.no_grad():
                 for t in tensors:
-                    _reduce_inplace(t, op, g.n)
+                    reduce_inplace(t, op, g.n)
             return g.finish(h, [])
         rr, at_root = g.mirror[agreed], agreed == g.members[g.me]
         c, base = g.counts[g.me], _base_op(op)
@@ -138,7 +138,7 @@ class GlooRules:
         """``coalesced``: output_lists[i][j] is member i's input j (else output_lists[t][j] is member j's input t)."""
         g = self.g
         outs_flat = [o for outs in output_lists for o in outs]
-        h = g.start(pg.timeline, Op.ALL_GATHER, _nbytes(outs_flat), 0, output_lists)
+        h = g.start(pg.timeline, Op.ALL_GATHER, tensor_bytes(outs_flat), 0, output_lists)
         bufs, works = [], []
         for x in inputs:
             buf = x.new_empty((g.k,) + tuple(x.shape))
@@ -156,7 +156,7 @@ class GlooRules:
     def all_gather_single(self, pg, outputs, inputs) -> HybridWork:
         """The real members' inputs gathered; each member's row is its mirror's."""
         g = self.g
-        h = g.start(pg.timeline, Op.ALL_GATHER, _nbytes(outputs), 0, list(outputs))
+        h = g.start(pg.timeline, Op.ALL_GATHER, tensor_bytes(outputs), 0, list(outputs))
         bufs, works = [], []
         for x in inputs:
             buf = x.new_empty((g.k, x.numel()))
@@ -202,19 +202,19 @@ class GlooRules:
         with torch.no_grad():
             stacks = [torch.stack([xs[j].reshape(y.shape) for j in g.members])
                       for y, xs in zip(output_tensors, input_lists)]
-        return self._reduce_scatter(pg, list(output_tensors), stacks, _nbytes(ins_flat), op)
+        return self._reduce_scatter(pg, list(output_tensors), stacks, tensor_bytes(ins_flat), op)
 
     def reduce_scatter_single(self, pg, outputs, inputs, op) -> HybridWork:
         """Tensor form: the real members' chunks reduced; each keeps its own."""
         g = self.g
         with torch.no_grad():
             stacks = [x.reshape(g.n, -1).index_select(0, _members_index(g, x.device)) for x in inputs]
-        return self._reduce_scatter(pg, list(outputs), stacks, _nbytes(inputs), op)
+        return self._reduce_scatter(pg, list(outputs), stacks, tensor_bytes(inputs), op)
 
     def alltoall(self, pg, output_tensors, input_tensors) -> HybridWork:
         """List form: real members exchange their chunks; an emulated member's chunk comes from its mirror."""
         g = self.g
-        h = g.start(pg.timeline, Op.ALL_TO_ALL, _nbytes(input_tensors), 0, list(output_tensors))
+        h = g.start(pg.timeline, Op.ALL_TO_ALL, tensor_bytes(input_tensors), 0, list(output_tensors))
         send = torch.cat([input_tensors[j].reshape(-1) for j in g.members])
         in_splits = [input_tensors[j].numel() for j in g.members]
         out_splits = [output_tensors[j].numel() for j in g.members]
@@ -224,7 +224,7 @@ class GlooRules:
         def post():
             chunks = recv.split(out_splits)
             for j, o in enumerate(output_tensors):
-                _fit_copy(o, chunks[g.mirror[j]])
+                fit_copy(o, chunks[g.mirror[j]])
 
         return g.finish(h, works, post)
 
@@ -232,9 +232,9 @@ class GlooRules:
         """Tensor form with split sizes: as ``alltoall``."""
         g = self.g
         n = g.n
-        h = g.start(pg.timeline, Op.ALL_TO_ALL, _nbytes([input]), 0, [output])
-        in_splits, in_off = _split_offsets(input.shape[0], input_split_sizes, n)
-        out_splits, out_off = _split_offsets(output.shape[0], output_split_sizes, n)
+        h = g.start(pg.timeline, Op.ALL_TO_ALL, tensor_bytes([input]), 0, [output])
+        in_splits, in_off = split_offsets(input.shape[0], input_split_sizes, n)
+        out_splits, out_off = split_offsets(output.shape[0], output_split_sizes, n)
         in_row = input[0].numel() if input.shape[0] else max(1, input.numel())
         out_row = output[0].numel() if output.shape[0] else max(1, output.numel())
         send = torch.cat([input.narrow(0, in_off[j], in_splits[j]).reshape(-1) for j in g.members])
@@ -246,14 +246,14 @@ class GlooRules:
         def post():
             chunks = recv.split(recv_counts)
             for j in range(n):
-                _fit_copy(output.narrow(0, out_off[j], out_splits[j]), chunks[g.mirror[j]])
+                fit_copy(output.narrow(0, out_off[j], out_splits[j]), chunks[g.mirror[j]])
 
         return g.finish(h, works, post)
 
     def gather(self, pg, output_tensors, input_tensors, root: int) -> HybridWork:
         """To the root (or its mirror, which keeps nothing): each member's slot holds its mirror's input."""
         g = self.g
-        h, agreed = g.rooted(pg.timeline, Op.GATHER, g.n * _nbytes(input_tensors), root, output_tensors)
+        h, agreed = g.rooted(pg.timeline, Op.GATHER, g.n * tensor_bytes(input_tensors), root, output_tensors)
         me_group = g.members[g.me]
         if agreed is None:
             with torch.no_grad():
@@ -285,7 +285,7 @@ class GlooRules:
     def scatter(self, pg, output_tensors, input_tensors, root: int) -> HybridWork:
         """From a real root's list to the real members; an emulated root's list is held by nobody."""
         g = self.g
-        h, agreed = g.rooted(pg.timeline, Op.SCATTER, g.n * _nbytes(output_tensors), root, list(output_tensors))
+        h, agreed = g.rooted(pg.timeline, Op.SCATTER, g.n * tensor_bytes(output_tensors), root, list(output_tensors))
         me_group = g.members[g.me]
         if agreed is None:  # every real rank its own root: the single-real rule, keep our slot
             with torch.no_grad():
@@ -323,7 +323,7 @@ class GlooRules:
         peer_r = g.mirror[peer]
         # Both metas of one op travel under the tag of its data direction, so the metas of a send
         # and of a recv between the same two ranks never match each other (nor the user's tags).
-        h = g.start(tl, Op.SEND_RECV, _nbytes(tensors), root, tensors, p2p=(peer_r, _P2P_META_TAG + root))
+        h = g.start(tl, Op.SEND_RECV, tensor_bytes(tensors), root, tensors, p2p=(peer_r, _P2P_META_TAG + root))
         works, fixups = [], []
         for t in tensors:
             buf = _contig(t)
@@ -340,7 +340,3 @@ class GlooRules:
 
 def _members_index(g: HybridGroup, device: torch.device) -> torch.Tensor:
     return torch.tensor(g.members, dtype=torch.long, device=device)
-
-
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

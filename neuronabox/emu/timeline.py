@@ -2,7 +2,9 @@
 
 DESIGN.md, "Timing semantics": op *i* of a communicator starts at max(its inputs are ready,
 op *i-1* finished) and finishes at start + modeled duration (+ what-if injections, which the
-model already carries, + an optional straggler delay). Every op is recorded for reports.
+model already carries). The run's host effects (``host_effects/``: late peers, spin stalls, host
+coupling, footprint) move the start, the duration or the end through their hooks, which
+``schedule`` asks at fixed moments. Every op is recorded for reports.
 
 All host times are ``time.perf_counter()`` seconds (CLOCK_MONOTONIC on Linux, the clock
 ``time.sleep`` and ``threading.Condition.wait`` sleep on), so deadlines and sleeps agree.
@@ -24,17 +26,10 @@ from typing import Callable
 from ..collectives import Op
 from ..model.base import CommModel, Group
 from ..stats import percentile
-from .footprint import Footprint
-from .host_coupling import HostCoupling
-from .spin_stall import BACK_TO_BACK_S, SpinStall
-
-# An op after compute drawn faster than the profile's time keeps at least this share of it: the
-# draw's excess was measured at the nearest calibrated size, which can be far from the op's.
-FASTEST_SHARE = 0.1
+from .host_effects.base import HostEffect, hooks
 
 __all__ = [
     "clock",
-    "StragglerHook",
     "ContentionHook",
     "OpRecord",
     "Recorder",
@@ -47,10 +42,6 @@ __all__ = [
 
 clock = time.perf_counter
 
-# (op, nbytes, group) -> how many seconds after the real rank the slowest rank of the group arrives
-# (its arrival delays the start). It runs once per op, on the hot path: keep it cheap.
-StragglerHook = Callable[[Op, int, Group], float]
-
 # (timeline, op, nbytes, root, start) -> (duration, algorithm) when other communicators' ops in
 # flight at ``start`` slow this one down, else None. Set by the Emulator for models that see contention.
 ContentionHook = Callable[["Timeline", Op, int, int, float], "tuple[float, str] | None"]
@@ -62,7 +53,7 @@ class OpRecord:
     __slots__ = (
         "seq", "comm", "op", "group", "nbytes", "root", "algorithm", "iteration",
         "enqueue", "ready", "start", "end", "duration", "extra",
-        "wait", "completed", "device", "device_slot", "coupled", "footprint", "stall", "spin", "event",
+        "wait", "completed", "device", "device_slot", "coupled", "holds", "stall", "spin", "event",
     )
 
     def __init__(self, seq, comm, op, group, nbytes, root, algorithm, iteration, enqueue, duration, extra):
@@ -84,8 +75,8 @@ class OpRecord:
         self.completed: float | None = None  # when the emulator actually signalled completion (CPU path)
         self.device: str | None = None  # "cuda:0" for device-timed ops
         self.device_slot: object = None  # where cuda_wait stored the device timestamps
-        self.coupled: Timeline | None = None  # set when the end moves with host compute (host_coupling)
-        self.footprint: Footprint | None = None  # set when the op also spends CPU for real (footprint)
+        self.coupled: Timeline | None = None  # set when a host effect makes the end tentative (host_coupling)
+        self.holds: tuple[HostEffect, ...] = ()  # host effects that hold its completion past its end (footprint)
         self.stall: float = 0.0  # gloo's spin stall drawn for it: the bytes move this much later (spin_stall)
         self.spin: float = 0.0  # of which this rank's core spun (CPU seconds)
         self.event: int = -1  # its entry in a role profile being recorded (role_record.py)
@@ -315,29 +306,53 @@ class Timeline:
         group: Group,
         model: CommModel,
         recorder: Recorder,
-        straggler: StragglerHook | None = None,
+        effects: "tuple[HostEffect, ...] | list[HostEffect]" = (),
     ):
         self.name = name
         self.group = group
         self.model = model
         self.recorder = recorder
-        self.straggler = straggler
         self.last_end = float("-inf")
         self._cache: dict[tuple[Op, int, int], tuple[float, str]] = {}
         self._links: dict[tuple[Op, int, int], float | None] = {}
         self._lock = threading.Lock()
         self.device_state: dict = {}  # per-device streams and buffers of cuda_wait
         self.contention: ContentionHook | None = None
-        self.coupling: HostCoupling | None = None  # CPU libraries: ops crawl while the host computes
         # Ops in flight at once. NCCL: 1 (one stream, FIFO). Gloo: a process group has 2 worker
         # threads, so a second op runs beside the first; what overlaps is its idle part and
         # the link time the first leaves idle (``_overlap``), only the rest queues on the link:
         # ``end = max(start + t, previous end + t - overlap)``.
         self.slots = 1
-        self.footprint: Footprint | None = None  # CPU libraries with a calibrated CPU cost
-        self.stall: SpinStall | None = None  # gloo's spin stalls, when the profile measured them
         # The last few host-timed ops: by FIFO order, the one in flight at any recent time is among them.
         self.recent: deque[OpRecord] = deque(maxlen=4)
+        self.effects: tuple[HostEffect, ...] = ()
+        self.attach(*effects)
+
+    def attach(self, *effects: HostEffect) -> None:
+        """Add host effects (each one's per-communicator part, ``HostEffect.for_timeline``) to this communicator."""
+        every = (*self.effects, *effects)
+        admits = hooks(every, "admit")
+        if len(admits) > 1:
+            names = [e.name for e in every if hooks((e,), "admit")]
+            raise ValueError(f"nbox: two host effects take over an op's end: {names}")
+        with self._lock:
+            self.effects = every
+            self._arrivals = hooks(every, "arrival")
+            # The effects that account host progress: settled before an op is queued and on waits.
+            self._settlers = tuple(e for e in every if hooks((e,), "settle"))
+            self._on_start = hooks(every, "on_start")
+            self._lost = hooks(every, "lost")
+            self._admit = admits[0] if admits else None
+            self._on_queued = hooks(every, "on_queued")
+
+    def effect(self, kind: type) -> HostEffect | None:
+        """This communicator's host effect of class ``kind``, if it has one."""
+        return next((e for e in self.effects if isinstance(e, kind)), None)
+
+    def _settle(self, now: float) -> None:
+        # Under the lock: account the host's progress up to ``now``; pending ops may end later.
+        for e in self._settlers:
+            self.last_end = max(self.last_end, e.settle(now))
 
     def in_flight(self, t: float) -> OpRecord | None:
         """The host-timed op of this communicator running at time ``t``, if any."""
@@ -394,7 +409,7 @@ class Timeline:
         # link: its link share is over the time it really takes (100 Mbit/s CNN: the 2.1 MB bucket
         # ran 6 ms behind while the backward computed, and the 0.37 MB one issued then still ended
         # 17 ms after it, as with an idle host).
-        lost = self.coupling.lost(prev) if self.coupling is not None else 0.0
+        lost = sum(h(prev) for h in self._lost)
         # While ``prev`` still waits out its spin stall none of its bytes move: the link is all
         # idle then, and ``r`` shares the stall (10 Gbit/s MLP: the real second bucket, issued
         # in the first's stall, ended 0.2-0.4 ms after it; shared at the link share, 0.8-0.9).
@@ -404,7 +419,9 @@ class Timeline:
 
     def _record(self, op: Op, nbytes: int, root: int, now: float) -> OpRecord:
         duration, algorithm = self.estimate(op, nbytes, root)
-        extra = self.straggler(op, nbytes, self.group) if self.straggler is not None else 0.0
+        # A host effect says how late the group's slowest rank arrives (the latest, if several do).
+        arrivals = self._arrivals
+        extra = max(h(op, nbytes, self.group) for h in arrivals) if arrivals else 0.0
         rec = self.recorder
         return OpRecord(rec.next_seq(), self.name, op, self.group, nbytes, root, algorithm, rec.iteration, now, duration, extra)
 
@@ -414,9 +431,7 @@ class Timeline:
         r = self._record(op, nbytes, root, now)
         r.ready = now if ready is None else ready
         with self._lock:
-            coupling = self.coupling
-            if coupling is not None:
-                self.last_end = max(self.last_end, coupling.settle(now))
+            self._settle(now)
             # A straggler delays the start (every rank must arrive), not the transfer.
             prev_end = self.last_end
             if self.slots == 1:
@@ -429,17 +444,8 @@ class Timeline:
                 hit = self.contention(self, op, nbytes, root, r.start)
                 if hit is not None:
                     r.duration, r.algorithm = hit
-            # An op issued while the previous one runs shares its stall: one I/O thread spins for both.
-            if self.stall is not None and r.ready - prev_end >= BACK_TO_BACK_S:
-                excess, r.spin = self.stall.draw(nbytes, r.ready - prev_end)
-                if excess >= 0:
-                    # The bytes move once the spin ends: a wall-clock wait, which the host's compute
-                    # does not stretch as it stretches the transfer (host coupling).
-                    r.stall = excess
-                    r.start += excess
-                else:
-                    # Faster than the profile's time (the sweep's median of two modes): shorter.
-                    r.duration = max(FASTEST_SHARE * r.duration, r.duration + excess)
+            for h in self._on_start:  # spin stalls: the bytes move later
+                h(r, r.ready - prev_end)
             overlap = 0.0
             beside = None
             if prev_end > r.start:  # only with slots > 1: the previous op is still running
@@ -447,25 +453,23 @@ class Timeline:
                 # Gloo interleaves both ops' bytes on the pair's socket, so this op's CPU goes from
                 # now on, beside the other's, not after it as the link time is counted.
                 beside = r.start
-            if coupling is not None:
+            if self._admit is not None:  # host coupling: the end moves with the host's compute
                 r.coupled = self
-                coupling.admit(r, prev_end, r.duration - overlap)
+                self._admit(r, prev_end, r.duration - overlap)
             else:
                 r.end = max(r.start + r.duration, prev_end + r.duration - overlap)
             self.last_end = r.end
             self.recent.append(r)
-        if self.footprint is not None:
-            r.footprint = self.footprint
-            self.footprint.charge(r, self.footprint.cost(op, nbytes, self.group.size), exact=r.spin, since=beside)
+        for h in self._on_queued:  # the footprint charges the op's CPU
+            h(r, beside)
         self.recorder.add(r)
         return r
 
     def settle(self, r: OpRecord) -> bool:
         """Host-coupled ops: account progress up to now; True when ``r`` is done (else ``r.end`` is its new tentative end)."""
-        coupling = self.coupling
         with self._lock:
-            self.last_end = max(self.last_end, coupling.settle(clock()))
-            return coupling.done(r)
+            self._settle(clock())
+            return all(e.done(r) for e in self._settlers)
 
     def place(self, r: OpRecord, arrival: float) -> None:
         """Fix the start and end of a recorded op whose arrival is known only now (hybrid ops), after the previous op.

@@ -550,7 +550,7 @@ class WireClient:
 
     # ---- the wire thread ------------------------------------------------------------------
     def _loop(self) -> None:
-        from .spin_stall import wait_spinning
+        from .host_effects.spin_stall import wait_spinning
         from .timeline import clock
 
         import torch

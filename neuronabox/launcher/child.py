@@ -140,6 +140,9 @@ def _write_record(path: str) -> None:
         "communicators": {tl.name: list(tl.group.ranks) for tl in emu.timelines},
         "ops": [r.as_dict(rec.t0) for r in rec.ops],
     }
+    effects = getattr(emu, "effects", ())
+    if effects:  # what the host effects did in this run, one line each (host_effects/)
+        data["host_effects"] = [e.describe() for e in effects]
     if emu.replay is not None:
         data["roles"] = emu.replay.summary(rec.t0)
         data["roles"]["_real"] = {"rank": emu.real_rank, "role": emu.replay.roles.role_of(emu.real_rank)}

@@ -110,6 +110,7 @@ def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str,
         "per_op": per_op,
         "lateness": _stats(lateness),
         "communicators": record.get("communicators", {}),
+        **({"host_effects": record["host_effects"]} if record.get("host_effects") else {}),
         **({"roles": roles} if roles else {}),
         "ops": ops,
     }
@@ -241,6 +242,8 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
         t.add_row("in collectives", f"median {_t(comm.get('median'))} per iteration (modeled; overlapping "
                   "collectives each count, so this can exceed the iteration)")
         t.add_row("exposed comm", exposed_headline(report) + ": the real rank waited, not computing")
+    for i, line in enumerate(report.get("host_effects") or ()):
+        t.add_row("host effects" if i == 0 else "", line)
     lat = report["lateness"]
     if lat.get("count"):
         t.add_row("lateness", f"p50 {_t(lat['median'])}, p95 {_t(lat['p95'])}, max {_t(lat['max'])} "

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
+
+from .base import HostEffect, RunContext
 
 if TYPE_CHECKING:
-    from .timeline import OpRecord
+    from ..timeline import OpRecord
 
 __all__ = ["HostCoupling", "busy_rate_from_profile", "MIN_RATE"]
 
@@ -48,10 +50,17 @@ def busy_rate_from_profile(profile: dict | None) -> float | None:
     return max(MIN_RATE, min(1.0, float(bp["rate"])))
 
 
-class HostCoupling:
-    """Per-communicator progress accounting of host-timed ops (FIFO, like the timeline)."""
+class HostCoupling(HostEffect):
+    """Per-communicator progress accounting of host-timed ops (FIFO, like the timeline).
 
-    def __init__(self, busy_rate: float, cpu_clock=time.process_time):
+    The run builds one from the profile (a CPU library the model alone times, a busy rate below
+    1); each communicator gets its own accounting of it (``for_timeline``), on the process's
+    compute CPU (its CPU less what other effects spent, such as the footprint's thread).
+    """
+
+    name = "host coupling"
+
+    def __init__(self, busy_rate: float, cpu_clock: Callable[[], float] = time.process_time):
         self.busy_rate = max(MIN_RATE, min(1.0, busy_rate))
         self._cpu = cpu_clock
         self.pending: deque[OpRecord] = deque()
@@ -59,6 +68,22 @@ class HostCoupling:
         self._need: dict[int, float] = {}  # seq -> seconds of progress it needed when admitted
         self._mark_t: float | None = None
         self._mark_cpu = 0.0
+
+    @classmethod
+    def build(cls, run: RunContext) -> "HostCoupling | None":
+        """With a calibrated busy rate below 1, for a CPU library only the model times (wire, hybrid: real CPU)."""
+        rate = busy_rate_from_profile(run.profile)
+        if rate is None or rate >= 1.0 or not run.modeled_cpu:
+            return None
+        return cls(rate, run.compute_cpu)
+
+    def for_timeline(self) -> "HostCoupling":
+        """A fresh accounting for a new communicator, on the same CPU clock."""
+        return HostCoupling(self.busy_rate, self._cpu)
+
+    def describe(self) -> str:
+        """The calibrated rate."""
+        return f"host coupling: an op progresses at {self.busy_rate:.2f} of its rate while the host computes"
 
     def admit(self, r: "OpRecord", prev_end: float, work: float | None = None) -> float:
         """Queue ``r`` behind the op ending at ``prev_end``; it needs ``work`` (default its duration) of progress; returns its end."""

@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
-from ..collectives import Op
+from ...collectives import Op
+from .base import HostEffect, RunContext
 from .spin_stall import SpinStall
 
 if TYPE_CHECKING:
-    from .timeline import OpRecord
+    from ..timeline import OpRecord
 
 __all__ = ["Footprint", "cpu_cost_from_profile", "interference"]
 
@@ -111,7 +113,7 @@ class _Charge:
         return self.begin + self.span * min(1.0, spent / self.seconds)
 
 
-class Footprint:
+class Footprint(HostEffect):
     """One thread spending the calibrated CPU of each op: costs in the order charged, then surpluses.
 
     ``scale`` (``interference``) is what the compute measurably loses beside an op over its CPU
@@ -122,9 +124,11 @@ class Footprint:
     itself shrinks.
     """
 
+    name = "footprint"
+
     def __init__(self, per_op_s: float, per_byte_s: float, clock: Callable[[], float] = time.perf_counter,
                  scale: float = 1.0):
-        from ..model.profile import ring_terms  # the ring closed form the calibration fits
+        from ...model.profile import ring_terms  # the ring closed form the calibration fits
 
         self._ring_terms = ring_terms
         self.per_op_s = per_op_s
@@ -137,6 +141,36 @@ class Footprint:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.spent = 0.0  # CPU seconds spent so far (a figure for reports and tests)
+
+    @classmethod
+    def build(cls, run: RunContext) -> "Footprint | None":
+        """With a calibrated CPU cost, for a CPU library whose ops only the model times.
+
+        The busy rate (host coupling) still holds the op back while the compute holds the core
+        (measured on the real ranks, with gloo's own CPU in the picture). ``NBOX_FOOTPRINT=0``
+        turns the footprint off (a diagnostic switch; ``nbox validate``'s load twin beside a
+        wire-mode run, whose stubs and relay spend that CPU themselves).
+        """
+        if not run.modeled_cpu or os.environ.get("NBOX_FOOTPRINT", "1") == "0":
+            return None
+        cost = cpu_cost_from_profile(run.profile)
+        if cost is None:
+            return None
+        return cls(*cost, scale=interference(run.profile) or 1.0)
+
+    def on_queued(self, r: "OpRecord", beside: float | None) -> None:
+        """Charge the op's cost (and the spin drawn for it, ``r.spin``); it completes no earlier than the cost is spent."""
+        r.holds += (self,)
+        self.charge(r, self.cost(r.op, r.nbytes, r.group.size), exact=r.spin, since=beside)
+
+    def cpu_spent(self) -> float:
+        """The thread's CPU (``cpu_time``): the host coupling does not count it as compute."""
+        return self.cpu_time()
+
+    def describe(self) -> str:
+        """The calibrated cost and scale."""
+        return (f"footprint: each op spends {self.per_op_s * 1e6:.0f} us + {self.per_byte_s * 1e9:.3f} ns/byte of CPU "
+                f"on this rank's cores, scaled {self.scale:.2f}")
 
     def cpu_time(self) -> float:
         """CPU seconds the footprint thread has used so far (0 before it starts)."""

@@ -28,15 +28,24 @@ import ctypes
 import math
 import random
 import time
+from typing import TYPE_CHECKING
 
-__all__ = ["SpinStall", "BACK_TO_BACK_S", "wait_spinning"]
+from .base import HostEffect, RunContext
+
+if TYPE_CHECKING:
+    from ..timeline import OpRecord
+
+__all__ = ["SpinStall", "BACK_TO_BACK_S", "FASTEST_SHARE", "wait_spinning"]
 
 # An op issued within this long of its predecessor's end is part of a back-to-back loop: the
 # sweep's loops, which rarely stall, are what the profile's times already hold.
 BACK_TO_BACK_S = 0.5e-3
+# An op after compute drawn faster than the profile's time keeps at least this share of it: the
+# draw's excess was measured at the nearest calibrated size, which can be far from the op's.
+FASTEST_SHARE = 0.1
 
 
-class SpinStall:
+class SpinStall(HostEffect):
     """Draws (wall excess, this rank's CPU excess) for an op of a given size and idle gap from calibrated samples.
 
     Samples keep the process group they were measured in: each gloo context stalls at a rate of
@@ -44,6 +53,8 @@ class SpinStall:
     job keeps its communicator for life. ``for_communicator`` picks one measured group for a new
     communicator, so emulated runs differ from each other as real runs do.
     """
+
+    name = "spin stalls"
 
     def __init__(self, cells: dict[tuple[int, float], list[tuple[int, list[float]]]], seed: int | None = None):
         self._sizes = sorted({s for s, _ in cells})
@@ -54,7 +65,51 @@ class SpinStall:
         self._groups = sorted({g for rows in cells.values() for g, _ in rows})
         self._cells = {c: [r for _, r in rows] for c, rows in cells.items()}  # what draws pick from: every group's
         self._spin_only = False
+        self._wire = False  # built for wire mode: each communicator's view waits only what a rank spun
         self._rng = random.Random(seed)
+
+    @classmethod
+    def build(cls, run: RunContext) -> "SpinStall | None":
+        """The profile's stalls for a gloo run timed by the model or the wire thread (hybrid ops are gloo's own).
+
+        Also in wire mode, whose client moves the bytes but is not gloo: the wire thread waits and
+        spins them. Unseeded: which measured process group a communicator follows differs from run
+        to run, as the real runs differ (10 Gbit/s MLP: run medians 5.3-9.6 ms, one run in five
+        stalling).
+        """
+        if run.hybrid or run.library != "gloo":
+            return None
+        stall = cls.from_profile(run.profile)
+        if stall is not None:
+            stall._wire = run.wire
+        return stall
+
+    def for_timeline(self) -> "SpinStall":
+        """A new communicator's view (``for_communicator``)."""
+        return self.for_communicator(spin_only=self._wire)
+
+    def on_start(self, r: "OpRecord", gap: float) -> None:
+        """Draw a stall for an op issued on an idle communicator: its bytes move that much later (or it is faster).
+
+        Not back to back after its predecessor (the profile's times hold those), nor beside it:
+        one I/O thread spins for both, so an op issued while the previous one runs shares its stall.
+        """
+        if gap < BACK_TO_BACK_S:
+            return
+        excess, r.spin = self.draw(r.nbytes, gap)
+        if excess >= 0:
+            # The bytes move once the spin ends: a wall-clock wait, which the host's compute
+            # does not stretch as it stretches the transfer (host coupling).
+            r.stall = excess
+            r.start += excess
+        else:
+            # Faster than the profile's time (the sweep's median of two modes): shorter.
+            r.duration = max(FASTEST_SHARE * r.duration, r.duration + excess)
+
+    def describe(self) -> str:
+        """How many calibrated cells the draws come from."""
+        how = "the wire thread waits what a rank spun" if self._wire else "bytes move after it, spin on this core"
+        return f"spin stalls: drawn per op issued on an idle communicator from {len(self._cells)} cells ({how})"
 
     @classmethod
     def from_profile(cls, profile: dict | None, seed: int | None = None) -> "SpinStall | None":
