@@ -240,7 +240,7 @@ def build(
     root = repo_root()
     if root is None:
         raise InputError("images build: needs the neuronabox source checkout (pyproject.toml next to the package)")
-    client = client or engine_client()
+    client = client or engine_client(what="images build")
     src_hash = _tree_hash(root / "neuronabox") + _hash((root / "pyproject.toml").read_text())
     # The base's name is known before it exists: the wheels are staged while it is being made.
     base_ref = (f"neuronabox/base:{_hash('from', base_image, BASE_PACKAGES)}" if base_image
