@@ -82,12 +82,14 @@ def test_images_are_built_once_and_found_the_second_time(built, docker_engine):
 
 
 def test_an_interrupted_build_leaves_no_tag_no_chroot_no_container(built, docker_engine):
-    """Ctrl-C while mmdebstrap makes a base: one line, no image tagged, no chroot in /tmp, no staging container."""
+    """Ctrl-C while mmdebstrap makes a base: one line, no image tagged, no chroot or staging folder left (in /tmp
+    or the tmpfs the build stages in), no staging container."""
     import glob
 
     # Another mirror string for the same mirror: another base hash, so a base is made (from the .deb cache).
     env = {**os.environ, "NBOX_DEBIAN_MIRROR": "http://deb.debian.org/debian/", "COLUMNS": "200"}
-    chroots = set(glob.glob("/tmp/mmdebstrap.*"))
+    where = {"/tmp", images.scratch_dir() or "/tmp"}
+    chroots = {f for d in where for pat in ("mmdebstrap.*", "nbox-images-*") for f in glob.glob(f"{d}/{pat}")}
     containers = {c.id for c in docker_engine.containers.list(all=True)}
     tags = {t for i in docker_engine.images.list() for t in i.tags}
     p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", "images", "build", "stub", "--tag", "interrupted"],
@@ -110,7 +112,7 @@ def test_an_interrupted_build_leaves_no_tag_no_chroot_no_container(built, docker
             p.wait()
     text = "".join(out) + rest
     assert p.returncode != 0 and "Traceback" not in text, text
-    assert set(glob.glob("/tmp/mmdebstrap.*")) <= chroots, text
+    assert {f for d in where for pat in ("mmdebstrap.*", "nbox-images-*") for f in glob.glob(f"{d}/{pat}")} <= chroots, text
     assert {c.id for c in docker_engine.containers.list(all=True)} <= containers
     assert {t for i in docker_engine.images.list() for t in i.tags} <= tags, text
 
