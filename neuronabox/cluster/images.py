@@ -1,15 +1,16 @@
 """Images of the docker runtime, built without a registry: ``nbox images build``.
 
-Nothing here is pulled. Each image is three layers, each one an image tagged by the hash of
-what it is made of, so that a layer whose inputs did not change is found in the engine and not
+Nothing here is pulled. Each image is made in three steps, each one an image tagged by the hash
+of what it is made of, so that a step whose inputs did not change is found in the engine and not
 made again (a second ``build`` takes seconds):
 
 1. the **base**: a Debian rootfs made by ``mmdebstrap --variant=minbase`` (python3, iproute2,
    iptables, ping, ps) and ``docker import``-ed; or the image the user names (``--base-image``,
    e.g. an NVIDIA CUDA image for a GPU node), completed with the same Debian packages by apt;
 2. the **dependencies**: the Python packages the image needs, installed on the host by pip
-   (``pip install --target`` for the image's Python, wheels only) and put into a container of
-   the layer below, which is committed (``_add_layer``); the stub image
+   (``pip install --target`` for the image's Python, wheels only) and imported with the base's
+   files as one layer (``_import_on``; on a user's base, put into a container of it, which is
+   committed: ``_add_layer``); the stub image
    carries no torch, the node image adds torch (the CPU wheel unless ``--torch`` names another);
 3. **neuronabox** itself, one wheel of this checkout (``pip wheel --no-deps``) shared by the images,
    and an ``nbox`` script.
@@ -221,19 +222,84 @@ def _add_layer(client, parent: str, ref: str, files: dict[str, Path], changes: S
         container.remove(force=True)
 
 
+def _import_on(client, parent: str, ref: str, files: dict[str, Path], changes: Sequence[str], say) -> None:
+    """Image ``ref``: ``parent``'s files and the host folders ``files`` (image path -> host path), one layer, made by
+    one ``docker import`` of the two archives in a row (``parent``'s export without its end, then ours)."""
+    say(f"importing {parent} with {', '.join(files)} as {ref}")
+    container = client.containers.create(parent, ["true"], labels={"nbox.build": ref})
+    tar = None
+    try:
+        tar = subprocess.Popen(_tar_command(files), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+        def chunks():
+            yield from _members(container.export(chunk_size=1 << 20))
+            while chunk := tar.stdout.read(1 << 20):
+                yield chunk
+
+        repo, tag = ref.rsplit(":", 1)
+        client.api.import_image_from_data(chunks(), repository=repo, tag=tag, changes=list(changes))
+        if tar.wait() != 0:
+            # The import took a cut archive: its tag is not what it says.
+            with contextlib.suppress(Exception):
+                client.images.remove(ref, force=True)
+            raise RunFailed(f"images build: tar of {', '.join(map(str, files.values()))} failed: "
+                            f"{tar.stderr.read().decode(errors='replace').strip()}")
+    finally:
+        if tar is not None and tar.poll() is None:
+            tar.kill()
+            tar.wait()
+        container.remove(force=True)
+
+
+def _members(stream):
+    """A tar archive's bytes (an iterable of chunks) without its end (the zero blocks), so that another can follow."""
+    buf = bytearray()
+    chunks = iter(stream)
+
+    def take(n: int) -> bytes | None:
+        while len(buf) < n:
+            chunk = next(chunks, None)
+            if chunk is None:
+                return None
+            buf.extend(chunk)
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
+
+    while (header := take(512)) is not None and header.strip(b"\0"):
+        field = header[124:136]
+        # The size: octal text, or base-256 (first byte's high bit) for 8 GiB and more.
+        size = (int.from_bytes(field[1:], "big") if field[0] & 0x80
+                else int(field.split(b"\0", 1)[0].strip() or b"0", 8))
+        yield header
+        padded = -(-size // 512) * 512
+        while padded:
+            part = take(min(padded, 1 << 20))
+            if part is None:
+                raise RunFailed("images build: the engine's export of the base ended inside a file")
+            yield part
+            padded -= len(part)
+
+
 def _tar_command(files: dict[str, Path]) -> list[str]:
     """GNU tar writing ``files`` (image path -> host path) as one archive, owned by root, to its stdout.
 
+    A folder's contents go in, not the folder itself: its image path exists below (Debian's
+    dist-packages), and ``docker import`` refuses an archive that names a path twice.
     tar, not Python's tarfile: a tenth of the CPU for torch's gigabyte (1.4 s against 11 s here)."""
     cmd = ["tar", "--create", "--file=-", "--owner=0", "--group=0", "--numeric-owner"]
+    names: list[str] = []
     for dest, src in files.items():
         if not re.fullmatch(r"[A-Za-z0-9_-]+", src.name):
-            raise ValueError(f"staging name {src.name!r}")  # our own names: the pattern below needs no escaping
+            raise ValueError(f"staging name {src.name!r}")  # our own names: the patterns below need no escaping
         # Each host path's own name becomes its image path (S: symbolic link targets are left as they are).
-        cmd.append(f"--transform=s,^{src.name}\\(/.*\\)\\?$,{dest.strip('/')}\\1,S")
-    for src in files.values():
-        cmd += ["-C", str(Path(src).parent), Path(src).name]
-    return cmd
+        if src.is_dir():
+            cmd.append(f"--transform=s,^{src.name}/,{dest.strip('/')}/,S")
+            names += ["-C", str(src.parent), *(f"{src.name}/{c}" for c in sorted(os.listdir(src)))]
+        else:
+            cmd.append(f"--transform=s,^{src.name}$,{dest.strip('/')},S")
+            names += ["-C", str(src.parent), src.name]
+    return cmd + names
 
 
 def _project_requirements(root: Path) -> list[str]:
@@ -363,8 +429,12 @@ def build(
                     # neuronabox itself goes into the top layer: the deps layer stays cached across edits.
                     for p in site.glob("neuronabox*"):
                         shutil.rmtree(p) if p.is_dir() else p.unlink()
-                    _add_layer(client, base_made.result(), deps, {SITE: site},
-                               ['CMD ["python3"]', "LABEL nbox.layer=deps"], say)
+                    # On our Debian base, one import of base and wheels (flattened) instead of an upload
+                    # into a container, its commit and its removal: each of the three wrote torch's
+                    # gigabyte once more. A user's base (CUDA, gigabytes) keeps its layers.
+                    add = _add_layer if base_image else _import_on
+                    add(client, base_made.result(), deps, {SITE: site}, ['CMD ["python3"]', "LABEL nbox.layer=deps"],
+                        say)
                     shutil.rmtree(site)  # now, not at the end: torch unpacked is a gigabyte
                 cmd = ('["python3", "-m", "neuronabox.cluster.docker_runtime", "agent", "--help"]' if name == "stub"
                        else '["nbox", "doctor"]')
