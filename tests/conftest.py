@@ -135,6 +135,7 @@ class _Engine:
     client = None
     started: subprocess.Popen | None = None
     host_before = None  # the host's network before the dockerd started here (dockerd_host.snapshot)
+    log: str | None = None  # that dockerd's log, removed when it stopped cleanly
     skip: str | None = None
     build = None  # a Future of images.build(), started as soon as the docker tests are collected
 
@@ -159,6 +160,7 @@ def _start_engine() -> None:
         from .dockerd_host import snapshot
 
         log = tempfile.NamedTemporaryFile(prefix="nbox-test-dockerd-", suffix=".log", delete=False)
+        _Engine.log = log.name
         # What dockerd will change (iptables, docker0, forwarding), put back when it stops (pytest_sessionfinish).
         _Engine.host_before = snapshot()
         # Its own session, so that a Ctrl-C of pytest does not reach it before the clean-up below.
@@ -225,10 +227,14 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         return  # an engine that was running before the tests is not ours: nor is what it did to the host
     started.send_signal(signal.SIGTERM)
     try:
-        started.wait(60)
+        clean = started.wait(60) == 0
     except subprocess.TimeoutExpired:
         started.kill()
         started.wait(10)
+        clean = False
+    if clean and _Engine.log:
+        with contextlib.suppress(OSError):
+            os.unlink(_Engine.log)  # kept only when dockerd did not stop as asked
     left = _restore_host()
     if left:
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
