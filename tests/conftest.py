@@ -134,6 +134,8 @@ class _Engine:
 
     client = None
     started: subprocess.Popen | None = None
+    host_before = None  # the host's network before the dockerd started here (dockerd_host.snapshot)
+    log: str | None = None  # that dockerd's log, removed when it stopped cleanly
     skip: str | None = None
     build = None  # a Future of images.build(), started as soon as the docker tests are collected
 
@@ -155,14 +157,21 @@ def _start_engine() -> None:
         if os.geteuid() != 0 or exe is None or os.environ.get("DOCKER_HOST"):
             _Engine.skip = "no Docker engine answers and none can be started here (needs root and dockerd: make sysdeps)"
             return
+        from .dockerd_host import snapshot
+
         log = tempfile.NamedTemporaryFile(prefix="nbox-test-dockerd-", suffix=".log", delete=False)
+        _Engine.log = log.name
+        # What dockerd will change (iptables, docker0, forwarding), put back when it stops (pytest_sessionfinish).
+        _Engine.host_before = snapshot()
         # Its own session, so that a Ctrl-C of pytest does not reach it before the clean-up below.
         _Engine.started = subprocess.Popen([exe], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while not engine_answers()[0]:
             if _Engine.started.poll() is not None or time.monotonic() > deadline:
                 _Engine.started.kill()
+                _Engine.started.wait(10)
                 _Engine.started = None
+                _restore_host()
                 _Engine.skip = None
                 raise RuntimeError(f"dockerd did not answer (its log: {log.name})")
             time.sleep(0.2)
@@ -194,21 +203,44 @@ def pytest_collection_finish(session) -> None:
     pool.shutdown(wait=False)
 
 
+def _restore_host() -> list[str]:
+    """Put the host's network back as it was before the dockerd started here; what still differs after."""
+    from .dockerd_host import differences, restore, snapshot
+
+    before, _Engine.host_before = _Engine.host_before, None
+    if before is None:
+        return []
+    restore(before)
+    return differences(before, snapshot())
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """Stop the dockerd this session started (after the early build, which a stop would otherwise break)."""
+    """Stop the dockerd this session started (after the early build, which a stop would otherwise break),
+    and take back what it changed in the host's network; a change left is reported and fails the run."""
     import signal
 
     if _Engine.build is not None:
         with contextlib.suppress(Exception):
             _Engine.build.result(timeout=600)
     started, _Engine.started = _Engine.started, None
-    if started is not None:
-        started.send_signal(signal.SIGTERM)
-        try:
-            started.wait(60)
-        except subprocess.TimeoutExpired:
-            started.kill()
-            started.wait(10)
+    if started is None:
+        return  # an engine that was running before the tests is not ours: nor is what it did to the host
+    started.send_signal(signal.SIGTERM)
+    try:
+        clean = started.wait(60) == 0
+    except subprocess.TimeoutExpired:
+        started.kill()
+        started.wait(10)
+        clean = False
+    if clean and _Engine.log:
+        with contextlib.suppress(OSError):
+            os.unlink(_Engine.log)  # kept only when dockerd did not stop as asked
+    left = _restore_host()
+    if left:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        say = tr.write_line if tr else (lambda m: print(m, file=sys.stderr))
+        say(f"the dockerd started for the tests left the host changed: {'; '.join(left)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -216,9 +248,10 @@ def docker_engine():
     """A Docker SDK client of an engine that answers: the one running, else a dockerd started here (as root)
     and stopped at the end of the session. Skips when neither is possible.
 
-    dockerd keeps its iptables as it found them working: FORWARD policy DROP and its DOCKER chains stay
-    after it stops (dockerd's own doing, as on any host that ran it); the netns runtime's tests pass
-    with them, since its forwarding happens inside its own namespaces, whose iptables are their own."""
+    dockerd changes the host's network (FORWARD policy DROP, its DOCKER chains and rules, docker0,
+    ip_forward) and leaves it so when it stops: the one started here has that taken back when it
+    stops (tests/dockerd_host.py). The netns runtime's tests pass with the engine up, since their
+    forwarding happens inside their own namespaces, whose iptables are their own."""
     if _Engine.client is None:
         try:
             _start_engine()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -81,12 +82,14 @@ def test_images_are_built_once_and_found_the_second_time(built, docker_engine):
 
 
 def test_an_interrupted_build_leaves_no_tag_no_chroot_no_container(built, docker_engine):
-    """Ctrl-C while mmdebstrap makes a base: one line, no image tagged, no chroot in /tmp, no staging container."""
+    """Ctrl-C while mmdebstrap makes a base: one line, no image tagged, no chroot or staging folder left (in /tmp
+    or the tmpfs the build stages in), no staging container."""
     import glob
 
     # Another mirror string for the same mirror: another base hash, so a base is made (from the .deb cache).
     env = {**os.environ, "NBOX_DEBIAN_MIRROR": "http://deb.debian.org/debian/", "COLUMNS": "200"}
-    chroots = set(glob.glob("/tmp/mmdebstrap.*"))
+    where = {"/tmp", images.scratch_dir() or "/tmp"}
+    chroots = {f for d in where for pat in ("mmdebstrap.*", "nbox-images-*") for f in glob.glob(f"{d}/{pat}")}
     containers = {c.id for c in docker_engine.containers.list(all=True)}
     tags = {t for i in docker_engine.images.list() for t in i.tags}
     p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", "images", "build", "stub", "--tag", "interrupted"],
@@ -109,7 +112,7 @@ def test_an_interrupted_build_leaves_no_tag_no_chroot_no_container(built, docker
             p.wait()
     text = "".join(out) + rest
     assert p.returncode != 0 and "Traceback" not in text, text
-    assert set(glob.glob("/tmp/mmdebstrap.*")) <= chroots, text
+    assert {f for d in where for pat in ("mmdebstrap.*", "nbox-images-*") for f in glob.glob(f"{d}/{pat}")} <= chroots, text
     assert {c.id for c in docker_engine.containers.list(all=True)} <= containers
     assert {t for i in docker_engine.images.list() for t in i.tags} <= tags, text
 
@@ -134,6 +137,85 @@ def test_an_overlapping_docker_network_is_exit_2_naming_it(built, state, docker_
         assert leftovers(docker_engine, "dover") == {"containers": [], "networks": [], "processes": []}
     finally:
         net.remove()
+
+
+def as_unprivileged(argv: list[str], home: Path, groups: tuple[int, ...] = ()) -> subprocess.CompletedProcess:
+    """Run this checkout's ``nbox`` as user nobody (uid 65534), in ``groups`` only, with ``home`` as HOME, TMPDIR
+    and the state folder.
+
+    Its interpreter must be reachable by that user: where a folder above it is closed to others (pyenv's
+    under /root, mode 700), the run gets a mount namespace of its own in which that folder is a tmpfs
+    holding only the interpreter's prefix, bound in; nothing of it outlives the run."""
+    prefix = Path(os.path.realpath(sys.base_prefix))
+    closed = next((d for d in reversed(prefix.parents) if d != Path("/") and not d.stat().st_mode & 0o001), None)
+    nbox = [sys.executable, "-m", "neuronabox.cli", *argv]
+    drop = ["setpriv", "--reuid=65534", "--regid=65534",
+            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
+            "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", f"HOME={home}", f"TMPDIR={home}",
+            f"NBOX_STATE_DIR={home}/state", "COLUMNS=200", *nbox]
+    if closed is None:
+        return subprocess.run(drop, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    keep = home.parent / "interpreter"
+    keep.mkdir(exist_ok=True)
+    script = ('set -e; mount --bind "$1" "$2"; mount -t tmpfs -o mode=755 nbox-unprivileged "$3"; '
+              'mkdir -p "$1"; mount --bind "$2" "$1"; shift 3; exec "$@"')
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+                           str(prefix), str(keep), str(closed), *drop],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_an_engine_that_refuses_a_user_is_one_line_exit_2_and_nothing_made(built, docker_engine):
+    """Not root, not in the socket's group: the real engine's EACCES on its socket, said in one line with what to do.
+    In the group but not root: the engine would let it make containers, `up` says it needs root before it does."""
+    import grp
+    import tempfile
+
+    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if not host.startswith("unix://") or not shutil.which("setpriv") or not shutil.which("unshare"):
+        pytest.skip("needs the engine on a unix socket, setpriv and unshare (util-linux)")
+    sock = host[len("unix://"):]
+    st = os.stat(sock)
+    if st.st_mode & 0o006 or st.st_gid == 65534:
+        pytest.skip(f"{sock} is open to user nobody: nothing refuses it")
+    group = grp.getgrgid(st.st_gid).gr_name
+    # Under /tmp, not pytest's tmp_path: that is root's, mode 700, and nobody must write here.
+    top = Path(tempfile.mkdtemp(prefix="nbox-unprivileged-"))
+    try:
+        top.chmod(0o755)
+        home = top / "home"
+        home.mkdir()
+        os.chown(home, 65534, 65534)
+        before = ({c.id for c in docker_engine.containers.list(all=True)},
+                  {n.id for n in docker_engine.networks.list()}, {i.id for i in docker_engine.images.list(all=True)})
+
+        r = as_unprivileged(["images", "build", "stub"], home)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+        assert (f"images build: the Docker engine at {host} refuses user nobody (permission denied on {sock}, "
+                f"which is root's and group {group}'s); add nobody to group {group} (usermod -aG {group} nobody, "
+                "then log in again) or run as root") in lines[0], r.stderr
+
+        topo = str(ROOT / "topologies" / "cpu-2x1g.yaml")
+        r = as_unprivileged(["up", topo, "--runtime", "docker", "--name", "drefused"], home)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+        assert f"refuses user nobody (permission denied on {sock}" in lines[0], r.stderr
+        assert "run nbox up as root" in lines[0], r.stderr
+
+        # In the engine's group: the engine answers it, `up` stops before anything is made.
+        r = as_unprivileged(["up", topo, "--runtime", "docker", "--name", "drefused"], home, groups=(st.st_gid,))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+        assert "--runtime docker: needs root or CAP_NET_ADMIN" in lines[0] and "run as root" in lines[0], r.stderr
+
+        # Nothing half-made: no container, network or image; nothing in its home, temp or state folder.
+        after = ({c.id for c in docker_engine.containers.list(all=True)},
+                 {n.id for n in docker_engine.networks.list()}, {i.id for i in docker_engine.images.list(all=True)})
+        assert [a - b for a, b in zip(after, before)] == [set(), set(), set()]
+        assert leftovers(docker_engine, "drefused") == {"containers": [], "networks": [], "processes": []}
+        assert not [p for p in home.rglob("*") if p != home / "state"], list(home.rglob("*"))
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -59,9 +59,57 @@ def docker_sdk():
     return docker if hasattr(docker, "from_env") else None
 
 
+def _docker_host() -> str:
+    return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+
+
+def _refused_user(host: str) -> tuple[str, str] | None:
+    """(user, group) when the engine's unix socket refuses this user (EACCES on connect), else None."""
+    import grp
+    import pwd
+    import socket
+
+    if not host.startswith("unix://"):
+        return None
+    path = host[len("unix://"):]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2)
+            s.connect(path)
+    except PermissionError:
+        # The engine is there; its socket is root's and its group's (root:docker 660 as Debian ships it).
+        try:
+            group = grp.getgrgid(os.stat(path).st_gid).gr_name
+        except (OSError, KeyError):
+            group = "docker"
+        try:
+            user = pwd.getpwuid(os.geteuid()).pw_name
+        except KeyError:
+            user = f"uid {os.geteuid()}"
+        return user, group
+    except OSError:
+        return None  # no engine there, or another fault: engine_answers says which
+    return None
+
+
+def engine_refusal(host: str | None = None) -> str | None:
+    """Why the engine at ``host`` refuses this user (not root, not in the socket's group), or None."""
+    host = host or _docker_host()
+    who = _refused_user(host)
+    return _refusal(host, *who) if who else None
+
+
+def _refusal(host: str, user: str, group: str) -> str:
+    return (f"the Docker engine at {host} refuses user {user} "
+            f"(permission denied on {host[len('unix://'):]}, which is root's and group {group}'s)")
+
+
 def engine_answers() -> tuple[bool, str]:
     """Whether a Docker engine answers at $DOCKER_HOST (default the unix socket), and where or why not."""
-    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    host = _docker_host()
+    refused = engine_refusal(host)
+    if refused:
+        return False, refused
     sdk = docker_sdk()
     if sdk is not None:
         try:
@@ -85,20 +133,31 @@ def engine_answers() -> tuple[bool, str]:
     return (b" 200 " in reply), (host if b" 200 " in reply else f"{host}: /_ping answered {reply[:20]!r}")
 
 
-def engine_or_fail() -> str:
-    """The Docker host that answers; InputError (one line, naming the socket) when none does."""
+def engine_or_fail(what: str = "--runtime docker") -> str:
+    """The Docker host that answers; InputError (one line, naming the socket) when none does or it refuses us."""
+    host = _docker_host()
+    who = _refused_user(host)
+    if who:
+        user, group = who
+        if what == "--runtime docker":
+            # `up` also builds the links in the containers' namespaces, which the group does not allow.
+            advice = "run nbox up as root (the docker runtime also shapes links in the containers' namespaces)"
+        else:
+            advice = f"add {user} to group {group} (usermod -aG {group} {user}, then log in again) or run as root"
+        raise InputError(f"{what}: {_refusal(host, user, group)}; {advice}")
     ok, detail = engine_answers()
     if not ok:
-        raise InputError(f"--runtime docker: no Docker engine answers ({detail}); use --runtime netns or local")
+        hint = "; use --runtime netns or local" if what == "--runtime docker" else ""
+        raise InputError(f"{what}: no Docker engine answers ({detail}){hint}")
     return detail
 
 
-def client(timeout: int = 120):
-    """A Docker SDK client of an engine that answers; InputError (one line) for no SDK or no engine."""
+def client(timeout: int = 120, what: str = "--runtime docker"):
+    """A Docker SDK client of an engine that answers; InputError (one line) for no SDK, no engine or a refusal."""
     sdk = docker_sdk()
     if sdk is None:
-        raise InputError("--runtime docker: the Docker SDK is not installed (pip install 'neuronabox[docker]')")
-    engine_or_fail()
+        raise InputError(f"{what}: the Docker SDK is not installed (pip install 'neuronabox[docker]')")
+    engine_or_fail(what)
     return sdk.from_env(timeout=timeout)
 
 

@@ -1,22 +1,25 @@
 """Images of the docker runtime, built without a registry: ``nbox images build``.
 
-Nothing here is pulled. Each image is three layers, each one an image tagged by the hash of
-what it is made of, so that a layer whose inputs did not change is found in the engine and not
+Nothing here is pulled. Each image is made in three steps, each one an image tagged by the hash
+of what it is made of, so that a step whose inputs did not change is found in the engine and not
 made again (a second ``build`` takes seconds):
 
 1. the **base**: a Debian rootfs made by ``mmdebstrap --variant=minbase`` (python3, iproute2,
    iptables, ping, ps) and ``docker import``-ed; or the image the user names (``--base-image``,
    e.g. an NVIDIA CUDA image for a GPU node), completed with the same Debian packages by apt;
 2. the **dependencies**: the Python packages the image needs, installed on the host by pip
-   (``pip install --target`` for the image's Python, wheels only) and put into a container of
-   the layer below, which is committed (``_add_layer``); the stub image
+   (``pip install --target`` for the image's Python, wheels only) and imported with the base's
+   files as one layer (``_import_on``; on a user's base, put into a container of it, which is
+   committed: ``_add_layer``); the stub image
    carries no torch, the node image adds torch (the CPU wheel unless ``--torch`` names another);
 3. **neuronabox** itself, one wheel of this checkout (``pip wheel --no-deps``) shared by the images,
    and an ``nbox`` script.
 
-``prometheus`` is a rootfs of Debian's own ``prometheus`` package (no registry image).
+``prometheus`` is Debian's own ``prometheus`` package, installed by apt on the Debian base (no
+registry image; one rootfs for all three images).
 
-All images are made at once (a cold build mostly waits on the Debian mirror and the engine).
+A cold build starts at once everything it needs that waits on nobody (the base, the wheels of
+each image, the project's wheel) and stages in memory where a tmpfs has room (``scratch_dir``).
 The engine is reached through the Docker SDK only (``docker_runtime.client``). A build that is
 interrupted leaves no tag: each tag is set by the engine's last step; the staging container,
 the staging folder and mmdebstrap's chroot are removed on the way out.
@@ -27,12 +30,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,9 +105,9 @@ def _exists(client, ref: str) -> bool:
         return False
 
 
-def _run(cmd: list[str], what: str) -> None:
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
     """Run a build step; on an interrupt, stop it with SIGTERM so that it removes its own work folder."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = p.communicate()
     except BaseException:
@@ -119,6 +121,28 @@ def _run(cmd: list[str], what: str) -> None:
         # pip ends with a decoration ("╰─> neuronabox"): the line that names the error says more.
         tail = next((ln.strip() for ln in reversed(said) if "error" in ln.lower()), said[-1])
         raise RunFailed(f"images build: {what} failed ({p.returncode}): {tail}")
+
+
+def scratch_dir() -> str | None:
+    """Where a build stages its files and mmdebstrap its chroots: a roomy tmpfs (/dev/shm), else None (TMPDIR).
+
+    A cold build writes some 3 GB there (two chroots and their tars, torch unpacked) and removes it;
+    in memory, dpkg's fsyncs and pip's and rmtree's many small files cost nothing, where on a disk
+    that the machine's other work also writes they were a third of a cold build."""
+    shm = Path("/dev/shm")
+    try:
+        st = os.statvfs(shm)
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+        with open("/proc/mounts") as f:
+            opts = next((ln.split()[3].split(",") for ln in f if ln.split()[1] == str(shm) and ln.split()[2] == "tmpfs"),
+                        None)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    # noexec/nodev would break mmdebstrap's chroot; 8 GB free on both counts leaves the machine room.
+    if opts is None or "noexec" in opts or "nodev" in opts or min(st.f_bavail * st.f_frsize, avail) < 8 << 30:
+        return None
+    return str(shm)
 
 
 def _debian_rootfs(client, ref: str, packages: Sequence[str], changes: Sequence[str], work: Path, say) -> None:
@@ -142,7 +166,8 @@ def _debian_rootfs(client, ref: str, packages: Sequence[str], changes: Sequence[
            f"--customize-hook=sync-out /var/cache/apt/archives {cache}",
            "--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*",
            SUITE, str(tar), MIRROR]
-    _run(cmd, "mmdebstrap")
+    # Its chroot beside our staging folder (the tmpfs when there is one).
+    _run(cmd, "mmdebstrap", env={**os.environ, "TMPDIR": str(work.parent)})
     repo, tag = ref.rsplit(":", 1)
     say(f"docker import {ref}")
     client.api.import_image_from_file(str(tar), repository=repo, tag=tag, changes=list(changes))
@@ -174,27 +199,107 @@ def _add_layer(client, parent: str, ref: str, files: dict[str, Path], changes: S
     A container's archive upload and a commit: a third of the time ``docker build``'s COPY took for
     torch's gigabyte here (the build context is written once more, then copied, then committed)."""
     say(f"adding {', '.join(files)} to {parent} as {ref}")
-    r, w = os.pipe()
+    container = client.containers.create(parent, ["true"], labels={"nbox.build": ref})
+    tar = None
+    try:
+        tar = subprocess.Popen(_tar_command(files), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-    def produce() -> None:
-        with os.fdopen(w, "wb") as f, tarfile.open(fileobj=f, mode="w|") as tar:
-            for dest, src in files.items():
-                tar.add(str(src), arcname=dest.lstrip("/"))
-
-    def chunks():
-        with os.fdopen(r, "rb") as f:
-            while chunk := f.read(1 << 20):
+        def chunks():
+            while chunk := tar.stdout.read(1 << 20):
                 yield chunk
 
-    container = client.containers.create(parent, ["true"], labels={"nbox.build": ref})
-    try:
-        threading.Thread(target=produce, daemon=True, name="nbox-layer-tar").start()
         container.put_archive("/", chunks())
+        if tar.wait() != 0:
+            raise RunFailed(f"images build: tar of {', '.join(map(str, files.values()))} failed: "
+                            f"{tar.stderr.read().decode(errors='replace').strip()}")
         repo, tag = ref.rsplit(":", 1)
         container.commit(repo, tag, changes=list(changes))
     finally:
-        # Also on an interrupt: the staging container never outlives the build.
+        # Also on an interrupt: the staging container never outlives the build, nor the tar its reader.
+        if tar is not None and tar.poll() is None:
+            tar.kill()
+            tar.wait()
         container.remove(force=True)
+
+
+def _import_on(client, parent: str, ref: str, files: dict[str, Path], changes: Sequence[str], say) -> None:
+    """Image ``ref``: ``parent``'s files and the host folders ``files`` (image path -> host path), one layer, made by
+    one ``docker import`` of the two archives in a row (``parent``'s export without its end, then ours)."""
+    say(f"importing {parent} with {', '.join(files)} as {ref}")
+    container = client.containers.create(parent, ["true"], labels={"nbox.build": ref})
+    tar = None
+    try:
+        tar = subprocess.Popen(_tar_command(files), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+        def chunks():
+            yield from _members(container.export(chunk_size=1 << 20))
+            while chunk := tar.stdout.read(1 << 20):
+                yield chunk
+
+        repo, tag = ref.rsplit(":", 1)
+        client.api.import_image_from_data(chunks(), repository=repo, tag=tag, changes=list(changes))
+        if tar.wait() != 0:
+            # The import took a cut archive: its tag is not what it says.
+            with contextlib.suppress(Exception):
+                client.images.remove(ref, force=True)
+            raise RunFailed(f"images build: tar of {', '.join(map(str, files.values()))} failed: "
+                            f"{tar.stderr.read().decode(errors='replace').strip()}")
+    finally:
+        if tar is not None and tar.poll() is None:
+            tar.kill()
+            tar.wait()
+        container.remove(force=True)
+
+
+def _members(stream):
+    """A tar archive's bytes (an iterable of chunks) without its end (the zero blocks), so that another can follow."""
+    buf = bytearray()
+    chunks = iter(stream)
+
+    def take(n: int) -> bytes | None:
+        while len(buf) < n:
+            chunk = next(chunks, None)
+            if chunk is None:
+                return None
+            buf.extend(chunk)
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
+
+    while (header := take(512)) is not None and header.strip(b"\0"):
+        field = header[124:136]
+        # The size: octal text, or base-256 (first byte's high bit) for 8 GiB and more.
+        size = (int.from_bytes(field[1:], "big") if field[0] & 0x80
+                else int(field.split(b"\0", 1)[0].strip() or b"0", 8))
+        yield header
+        padded = -(-size // 512) * 512
+        while padded:
+            part = take(min(padded, 1 << 20))
+            if part is None:
+                raise RunFailed("images build: the engine's export of the base ended inside a file")
+            yield part
+            padded -= len(part)
+
+
+def _tar_command(files: dict[str, Path]) -> list[str]:
+    """GNU tar writing ``files`` (image path -> host path) as one archive, owned by root, to its stdout.
+
+    A folder's contents go in, not the folder itself: its image path exists below (Debian's
+    dist-packages), and ``docker import`` refuses an archive that names a path twice.
+    tar, not Python's tarfile: a tenth of the CPU for torch's gigabyte (1.4 s against 11 s here)."""
+    cmd = ["tar", "--create", "--file=-", "--owner=0", "--group=0", "--numeric-owner"]
+    names: list[str] = []
+    for dest, src in files.items():
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", src.name):
+            raise ValueError(f"staging name {src.name!r}")  # our own names: the patterns below need no escaping
+        # Each host path's own name becomes its image path (S: symbolic link targets are left as they are).
+        if src.is_dir():
+            cmd.append(f"--transform=s,^{src.name}/,{dest.strip('/')}/,S")
+            names += ["-C", str(src.parent), *(f"{src.name}/{c}" for c in sorted(os.listdir(src)))]
+        else:
+            cmd.append(f"--transform=s,^{src.name}$,{dest.strip('/')},S")
+            names += ["-C", str(src.parent), src.name]
+    return cmd + names
 
 
 def _project_requirements(root: Path) -> list[str]:
@@ -203,6 +308,17 @@ def _project_requirements(root: Path) -> list[str]:
 
     # The checkout is installed editable (make venv), so its metadata follows pyproject.toml.
     return sorted(r for r in (requires("neuronabox") or []) if "extra ==" not in r)
+
+
+def _apt_install(packages: Sequence[str]) -> str:
+    """A Dockerfile step that installs Debian ``packages`` (no recommends), keeping no lists, .debs or caches (75 MB)."""
+    return (f"RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
+            f"{' '.join(packages)} && apt-get clean && rm -rf /var/lib/apt/lists/*\n")
+
+
+def _requirements(name: str, root: Path, torch: str) -> tuple[str, ...]:
+    """The Python packages image ``name`` holds besides neuronabox: the stub's few, or all of neuronabox's and torch."""
+    return STUB_REQUIREMENTS if name == "stub" else (*_project_requirements(root), torch)
 
 
 def _pip_target(target: Path, args: Sequence[str], python_version: str, say, binary_only: bool = True) -> None:
@@ -240,81 +356,95 @@ def build(
     root = repo_root()
     if root is None:
         raise InputError("images build: needs the neuronabox source checkout (pyproject.toml next to the package)")
-    client = client or engine_client()
+    client = client or engine_client(what="images build")
     src_hash = _tree_hash(root / "neuronabox") + _hash((root / "pyproject.toml").read_text())
     # The base's name is known before it exists: the wheels are staged while it is being made.
-    base_ref = (f"neuronabox/base:{_hash('from', base_image, BASE_PACKAGES)}" if base_image
-                else f"neuronabox/base:{_hash(SUITE, MIRROR, BASE_PACKAGES, _EXCLUDES, 'v1')}")
-    base_lock = threading.Lock()
-    wheel_lock = threading.Lock()
-    with tempfile.TemporaryDirectory(prefix="nbox-images-") as tmp:
+    debian_ref = f"neuronabox/base:{_hash(SUITE, MIRROR, BASE_PACKAGES, _EXCLUDES, 'v1')}"
+    base_ref = f"neuronabox/base:{_hash('from', base_image, BASE_PACKAGES)}" if base_image else debian_ref
+    # What each image is made of, hence its references, known before anything is made: a cold build
+    # starts at once all that it needs (the base, the project's files, each image's wheels).
+    deps_of = {n: f"neuronabox/{n}-deps:{_hash(base_ref, _requirements(n, root, torch), python_version, SITE, 'v2')}"
+               for n in which if n != "prometheus"}
+    key_of = {n: f"neuronabox/{n}:{_hash(d, src_hash, _NBOX_SCRIPT)}" for n, d in deps_of.items()}
+    # Prometheus is Debian's package on the Debian base (a layer of apt), not a second rootfs: one
+    # mmdebstrap fewer, a minute of a cold build's two cores.
+    key_of["prometheus"] = f"neuronabox/prometheus:{_hash(debian_ref, 'prometheus', 'v2')}"
+    need_base = any(not _exists(client, d) for d in deps_of.values())
+    need_debian = (need_base and not base_image) or ("prometheus" in which and not _exists(client, key_of["prometheus"]))
+    need_project = any(not _exists(client, key_of[n]) for n in deps_of)
+    scratch = scratch_dir()
+    with tempfile.TemporaryDirectory(prefix="nbox-images-", dir=scratch) as tmp, \
+            ThreadPoolExecutor(max_workers=len(which) + 2, thread_name_prefix="nbox-images") as pool:
         work = Path(tmp)
+        if scratch:
+            say(f"staging in {scratch} (tmpfs)")
 
-        def project_wheel() -> Path:
-            # One wheel of the checkout for every image: two pip builds of one source tree at once
-            # share its build/ folder and break each other (seen: a stub and a node build together).
-            with wheel_lock:
-                made = sorted((work / "wheel").glob("neuronabox-*.whl"))
-                if not made:
-                    say("pip wheel neuronabox (this checkout)")
-                    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
-                          str(work / "wheel"), str(root)], "pip wheel of this checkout")
-                    made = sorted((work / "wheel").glob("neuronabox-*.whl"))
-                return made[0]
+        def debian_base() -> str:
+            if not _exists(client, debian_ref):
+                _debian_rootfs(client, debian_ref, BASE_PACKAGES, [], work, say)
+            return debian_ref
 
-        def base() -> str:
-            with base_lock:  # stub and node share it: made once
-                if _exists(client, base_ref):
-                    return base_ref
-                if base_image:
-                    # Someone else's base (CUDA): the same Debian/Ubuntu packages, by apt, in a layer of ours.
-                    _docker_build(client, base_ref, f"FROM {base_image}\nRUN apt-get update && DEBIAN_FRONTEND="
-                                  f"noninteractive apt-get install -y --no-install-recommends {' '.join(BASE_PACKAGES)}"
-                                  " && rm -rf /var/lib/apt/lists/*\n", {}, work, {"nbox.base": base_image}, say)
-                else:
-                    _debian_rootfs(client, base_ref, BASE_PACKAGES, [], work, say)
+        def user_base() -> str:
+            if not _exists(client, base_ref):
+                # Someone else's base (CUDA): the same Debian/Ubuntu packages, by apt, in a layer of ours.
+                _docker_build(client, base_ref, f"FROM {base_image}\n{_apt_install(BASE_PACKAGES)}", {}, work,
+                              {"nbox.base": base_image}, say)
             return base_ref
+
+        def project() -> dict[str, Path]:
+            # One wheel of the checkout, installed once for both images (same Python): two pip builds
+            # of one source tree at once share its build/ folder and break each other.
+            say("pip wheel neuronabox (this checkout)")
+            _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
+                  str(work / "wheel"), str(root)], "pip wheel of this checkout")
+            site = work / "nbox-site"
+            _pip_target(site, ["--no-deps", str(next((work / "wheel").glob("neuronabox-*.whl")))], python_version, say,
+                        binary_only=False)
+            script = work / "nbox-script"
+            script.write_text(_NBOX_SCRIPT)
+            script.chmod(0o755)
+            return {SITE: site, "/usr/local/bin/nbox": script}
+
+        # Submitted first, so that they start first: the base (mmdebstrap, minutes cold) is on every
+        # image's way and waits on nobody.
+        debian_made = pool.submit(debian_base) if need_debian else None
+        base_made = (pool.submit(user_base) if base_image else debian_made) if need_base else None
+        project_made = pool.submit(project) if need_project else None
 
         def one(name: str) -> Built:
             t0 = time.perf_counter()
-            ref = image_ref(name, tag)
+            ref, key = image_ref(name, tag), key_of[name]
+            cached = _exists(client, key)
             if name == "prometheus":
-                key = f"neuronabox/prometheus:{_hash(SUITE, MIRROR, 'prometheus', _EXCLUDES, 'v1')}"
-                cached = _exists(client, key)
                 if not cached:
-                    _debian_rootfs(client, key, ("prometheus",), [
-                        'ENTRYPOINT ["/usr/bin/prometheus"]',
-                        'CMD ["--config.file=/etc/prometheus/prometheus.yml"]', "USER prometheus"], work, say)
-            else:
-                reqs = STUB_REQUIREMENTS if name == "stub" else (*_project_requirements(root), torch)
-                deps = f"neuronabox/{name}-deps:{_hash(base_ref, reqs, python_version, SITE, 'v2')}"
+                    _docker_build(client, key, f"FROM {debian_made.result()}\n{_apt_install(('prometheus',))}"
+                                  "USER prometheus\nENTRYPOINT [\"/usr/bin/prometheus\"]\n"
+                                  "CMD [\"--config.file=/etc/prometheus/prometheus.yml\"]\n", {}, work,
+                                  {"nbox.layer": "prometheus"}, say)
+            elif not cached:
+                deps = deps_of[name]
                 if not _exists(client, deps):
                     site = work / f"deps-{name}"
-                    _pip_target(site, reqs, python_version, say)
+                    _pip_target(site, _requirements(name, root, torch), python_version, say)
                     # neuronabox itself goes into the top layer: the deps layer stays cached across edits.
                     for p in site.glob("neuronabox*"):
                         shutil.rmtree(p) if p.is_dir() else p.unlink()
-                    _add_layer(client, base(), deps, {SITE: site}, ['CMD ["python3"]', "LABEL nbox.layer=deps"], say)
-                key = f"neuronabox/{name}:{_hash(deps, src_hash, _NBOX_SCRIPT)}"
-                cached = _exists(client, key)
-                if not cached:
-                    site = work / f"nbox-{name}"
-                    _pip_target(site, ["--no-deps", str(project_wheel())], python_version, say, binary_only=False)
-                    script = work / f"nbox-script-{name}"
-                    script.write_text(_NBOX_SCRIPT)
-                    script.chmod(0o755)
-                    cmd = ('["python3", "-m", "neuronabox.cluster.docker_runtime", "agent", "--help"]' if name == "stub"
-                           else '["nbox", "doctor"]')
-                    _add_layer(client, deps, key, {SITE: site, "/usr/local/bin/nbox": script},
-                               ["ENV PYTHONUNBUFFERED=1", f"CMD {cmd}", "LABEL nbox.layer=neuronabox",
-                                f"LABEL nbox.source={src_hash}"], say)
+                    # On our Debian base, one import of base and wheels (flattened) instead of an upload
+                    # into a container, its commit and its removal: each of the three wrote torch's
+                    # gigabyte once more. A user's base (CUDA, gigabytes) keeps its layers.
+                    add = _add_layer if base_image else _import_on
+                    add(client, base_made.result(), deps, {SITE: site}, ['CMD ["python3"]', "LABEL nbox.layer=deps"],
+                        say)
+                    shutil.rmtree(site)  # now, not at the end: torch unpacked is a gigabyte
+                cmd = ('["python3", "-m", "neuronabox.cluster.docker_runtime", "agent", "--help"]' if name == "stub"
+                       else '["nbox", "doctor"]')
+                _add_layer(client, deps, key, project_made.result(),
+                           ["ENV PYTHONUNBUFFERED=1", f"CMD {cmd}", "LABEL nbox.layer=neuronabox",
+                            f"LABEL nbox.source={src_hash}"], say)
             img = client.images.get(key)
             img.tag(*ref.rsplit(":", 1))
             say(f"{ref}: {'cached' if cached else 'built'} ({img.attrs.get('Size', 0) / 1e6:.0f} MB)")
             return Built(name, ref, cached, int(img.attrs.get("Size", 0)), time.perf_counter() - t0)
 
-        # All at once: a cold build is mostly waiting (on the Debian mirror, on the engine), and
-        # the wheels of stub and node are staged while the base is being made.
-        with ThreadPoolExecutor(max_workers=max(1, len(which)), thread_name_prefix="nbox-images") as pool:
-            out = list(pool.map(one, which))
+        out = list(pool.map(one, which))
     return out

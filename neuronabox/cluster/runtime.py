@@ -112,9 +112,16 @@ def up(
     if runtime in ("netns", "docker"):
         check_cluster_size(topo)  # before any state, lock or engine is touched
     if runtime == "docker":
+        from .docker_runtime import engine_or_fail
         from .docker_runtime import up as docker_up
 
-        # It checks the engine first (InputError naming the socket, nothing written) and keeps its own state.
+        # Before anything is written: the engine (InputError naming the socket, or its refusal of this
+        # user), then the privileges the links need. A member of the engine's group may start
+        # containers, but not build links in their namespaces. docker_up keeps its own state.
+        engine_or_fail()
+        ok, why = can_netns()
+        if not ok:
+            raise InputError(f"--runtime docker: {why} (the links are built in the containers' namespaces); run as root")
         return docker_up(topo, name=name, subnet=subnet, progress=progress)
     if runtime == "netns":
         ok, why = can_netns()
