@@ -69,7 +69,7 @@ def updown(kind: str, n: int) -> dict:
 def relay_throughput(delay: str = "1ms", seconds: float = 3.0) -> dict:
     """TCP goodput from node0 to node1 through the relay that adds ``delay`` each way."""
     from neuronabox.cluster import runtime as rt
-    from neuronabox.cluster.netns import Namespace
+    from neuronabox.cluster.namespace import Namespace
     from neuronabox.topology import parse_topology
 
     t = parse_topology(f"cluster: {{nodes: 2}}\nnetwork: {{type: switch, link: {{bandwidth: 25Gbps, latency: {delay}}}}}\n", "r.yaml")
@@ -119,7 +119,7 @@ def queue_figures(delay: str = "0.5ms", seconds: float = 2.0, size: int = 1400) 
     import re
 
     from neuronabox.cluster import runtime as rt
-    from neuronabox.cluster.netns import Namespace
+    from neuronabox.cluster.namespace import Namespace
     from neuronabox.topology import parse_topology
 
     t = parse_topology(f"cluster: {{nodes: 2}}\nnetwork: {{type: switch, link: {{bandwidth: 25Gbps, latency: {delay}}}}}\n", "q.yaml")

@@ -20,7 +20,7 @@ import pytest
 
 from neuronabox.cluster import runtime as rt
 from neuronabox.cluster.agent import MAX_BODY, READ_TIMEOUT_S, parse_shape_changes
-from neuronabox.cluster.netns import Namespace
+from neuronabox.cluster.namespace import Namespace
 from neuronabox.cluster.state import ClusterState
 from neuronabox.errors import InputError
 

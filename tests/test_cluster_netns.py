@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from neuronabox.cluster import runtime as rt
-from neuronabox.cluster.netns import Namespace, list_namespaces
+from neuronabox.cluster.namespace import Namespace, list_namespaces
 from neuronabox.cluster.shaping import has_netem
 from neuronabox.cluster.state import ClusterState
 from neuronabox.topology.graph import ClusterGraph

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from neuronabox.cluster.agent import parse_shape_changes
-from neuronabox.cluster.netns import plan_network
+from neuronabox.cluster.netplan import plan_network
 from neuronabox.cluster.shaping import GSO_MAX_SIZE, LinkShape, loss_rules, mechanisms, rate_params
 from neuronabox.cluster.state import ClusterState, default_name, list_clusters, valid_name
 from neuronabox.errors import InputError

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from neuronabox.cluster import runtime as rt
-from neuronabox.cluster.netns import Namespace
+from neuronabox.cluster.namespace import Namespace
 from neuronabox.cluster.relay import TimerQueue
 from neuronabox.cluster.state import ClusterState
 

@@ -303,7 +303,7 @@ def test_agent_shapes_eth0_inside_a_node_namespace(tmp_path):
     import urllib.error
     import urllib.request
 
-    from neuronabox.cluster.netns import Namespace
+    from neuronabox.cluster.namespace import Namespace
 
     ns = Namespace(f"nbx-dktest{os.getpid()}")
     ns.create()

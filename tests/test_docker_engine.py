@@ -23,7 +23,7 @@ from neuronabox.cluster import images
 from neuronabox.cluster.goodput_probe import TCP_PAYLOAD_SHARE, container_goodput
 from neuronabox.errors import InputError
 
-from neuronabox.cluster.netns import Namespace
+from neuronabox.cluster.namespace import Namespace
 from neuronabox.cluster.state import ClusterState
 
 from . import test_cluster_netns as nt

@@ -181,7 +181,7 @@ def test_neighbour_nodes_follow_the_ring_in_rank_order():
 
 @pytest.mark.parametrize("name", ["dgx-h100-32", "cpu-8x3-fat-tree", "cpu-8x3-ring"])
 def test_up_plans_the_same_network_from_a_lazy_graph(name, monkeypatch):
-    from neuronabox.cluster.netns import plan_network
+    from neuronabox.cluster.netplan import plan_network
     from neuronabox.topology import graph
 
     topo = topology_from_dict(VARIANTS[name], f"{name}.yaml")
@@ -236,7 +236,7 @@ def test_the_slowest_of_a_range_is_read_per_node():
 
 @pytest.mark.parametrize("runtime", ["netns", "docker"])
 def test_up_refuses_more_nodes_than_a_cluster_holds_in_one_line(runtime, tmp_path):
-    from neuronabox.cluster.netns import MAX_CLUSTER_NODES
+    from neuronabox.cluster.netplan import MAX_CLUSTER_NODES
 
     path = tmp_path / "ten-m.yaml"
     path.write_text(TEN_M)

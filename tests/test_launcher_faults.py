@@ -81,7 +81,7 @@ def test_kill_9_of_nbox_run_elastic_workers(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
 def test_kill_9_of_nbox_run_wire_mode_and_down_waits_for_up(tmp_path_factory, tmp_path):
     from neuronabox.cluster import runtime as rt
-    from neuronabox.cluster.netns import list_namespaces
+    from neuronabox.cluster.namespace import list_namespaces
     from neuronabox.cluster.state import ClusterState
 
     gen = private_cluster_state(tmp_path_factory, "nbox-orph")

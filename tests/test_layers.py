@@ -1,8 +1,9 @@
 """The house keeps its layers: import-linter's contracts (pyproject.toml [tool.importlinter]) hold.
 
-cli -> fidelity -> deploy -> launcher -> metrics | report -> cluster -> emu -> model ->
-topology -> the leaf modules, metrics reading the run through ``neuronabox.recording``, and no
-import circle among the modules of any package.
+cli -> fidelity | deploy -> launcher -> metrics | report -> cluster | emu -> model ->
+topology -> the leaf modules ("a | b": independent siblings, neither imports the other), metrics
+reading the run through ``neuronabox.recording``, and no import circle among the modules of any
+package.
 """
 
 import shutil

@@ -165,7 +165,7 @@ def is_gpu_panel(panel: dict) -> bool:
 # ---- the stack -----------------------------------------------------------------------------------
 def _traffic(stop: threading.Event, hosts: list[dict]) -> None:
     """TCP bytes from node0 to node1 across the shaped links (through the delay relay), until stopped."""
-    from neuronabox.cluster.netns import Namespace
+    from neuronabox.cluster.namespace import Namespace
 
     a, b = hosts[0], hosts[1]
     srv = Namespace(b["ns"]).socket(socket.AF_INET, socket.SOCK_STREAM)

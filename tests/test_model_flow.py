@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from neuronabox.collectives import Op
 from neuronabox.errors import InputError
 from neuronabox.model.base import Collective, Group
-from neuronabox.model.flow import FlowModel, drain, max_min_rates
+from neuronabox.model.flow import FlowModel
+from neuronabox.model.maxmin import drain, max_min_rates
 from neuronabox.model.registry import create_model
 from neuronabox.topology import parse_topology
 from neuronabox.topology.graph import ClusterGraph

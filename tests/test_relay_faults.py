@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from neuronabox.cluster import runtime as rt
-from neuronabox.cluster.netns import Namespace
+from neuronabox.cluster.namespace import Namespace
 from neuronabox.cluster.relay import DEFAULT_PORT, MAX_CONNECTIONS_PER_NODE
 from neuronabox.cluster.state import ClusterState
 

@@ -1,6 +1,6 @@
 """Which interfaces are steered (RPS) for which link rates, to which CPU; the CPU mask text the kernel reads."""
 
-from neuronabox.cluster.netns import ns_name, ns_role
+from neuronabox.cluster.netplan import ns_name, ns_role
 from neuronabox.cluster.steering import STEER_MAX_RATE, cpu_mask, node_cpu, steering
 
 

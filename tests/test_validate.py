@@ -12,7 +12,8 @@ import pytest
 
 from neuronabox.errors import InputError
 from neuronabox.fidelity import validate as val
-from neuronabox.fidelity.validate import ModeResult, compare, error_table, parse_modes, parse_tolerance
+from neuronabox.fidelity.validate import parse_modes, parse_tolerance
+from neuronabox.fidelity.verdict import ModeResult, compare, error_table
 
 from .conftest import ROOT, run_nbox
 

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch", reason="validate trains for real")
 
-from neuronabox.cluster.netns import list_namespaces  # noqa: E402
+from neuronabox.cluster.namespace import list_namespaces  # noqa: E402
 
 from .conftest import run_nbox, stop_nbox_when  # noqa: E402
 

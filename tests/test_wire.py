@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from neuronabox.cluster import runtime as rt
-from neuronabox.cluster.netns import list_namespaces
+from neuronabox.cluster.namespace import list_namespaces
 from neuronabox.cluster.state import ClusterState
 
 from .conftest import ROOT, private_cluster_state, run_nbox

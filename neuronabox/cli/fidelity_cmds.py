@@ -134,7 +134,8 @@ def validate(
     from rich.table import Table
 
     from ..fidelity.calibrate import parse_ops, parse_size_range
-    from ..fidelity.validate import UNDECIDED, UNDECIDED_WHY, error_table, parse_modes, parse_tolerance, run_validation
+    from ..fidelity.validate import parse_modes, parse_tolerance, run_validation
+    from ..fidelity.verdict import UNDECIDED, UNDECIDED_WHY, error_table
 
     tol = parse_tolerance(tolerance)
     mode_list = parse_modes(modes)

@@ -44,7 +44,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from ..errors import InputError, NboxError
 from ..units import UnitError, as_float, quoted, check_bandwidth, check_latency, parse_bandwidth, parse_latency, parse_ratio
-from .netns import Namespace
+from .namespace import Namespace
 from .nfqueue import DelayLine
 from .relay import Delays, DelayTable, TimerQueue
 from .relay_pool import RelayPool

@@ -168,7 +168,7 @@ def compose_context(
     """The template context for ``topology`` (pure: writes nothing)."""
     import ipaddress
 
-    from .netns import plan_network
+    from .netplan import plan_network
 
     name = valid_name(name)
     rank = topology.emulation.real_ranks[0] if real_rank is None else real_rank

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from .netns import Namespace
+from .namespace import Namespace
 
 __all__ = ["tcp_round_trip", "set_round_trip", "delay_note"]
 

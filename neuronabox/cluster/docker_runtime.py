@@ -335,7 +335,7 @@ def _sdk_up(client, st: ClusterState, topo, rendered, subnet: str, say) -> None:
     """Start the node containers with no network, adopt their namespaces and give them the netns runtime's links."""
     import yaml
 
-    from .netns import plan_network
+    from .netplan import plan_network
     from .netns_cluster import fault_point, up_netns
 
     spec = yaml.safe_load(rendered.compose_file.read_text())
@@ -532,7 +532,7 @@ def status(name: str) -> dict:
     states = _containers(st, _client(10))
     recorded = d.get("containers") or sorted(states or {})
     running = sum(1 for c in recorded if (states or {}).get(c) == "running")
-    from .netns import Namespace
+    from .namespace import Namespace
     from .netns_cluster import health as netns_health
     from .netns_cluster import process_alive
 
@@ -601,7 +601,7 @@ class DockerAgent:
         self.nl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbox-netlink")
 
     def _ns(self, node: str):
-        from .netns import Namespace
+        from .namespace import Namespace
 
         ns = Namespace(f"docker-{node}")
         ns.path = f"{self.proc}/{self.pids.get(node) or self.pending[node]}/ns/net"

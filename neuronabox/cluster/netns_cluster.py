@@ -20,14 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError, RunFailed
-from .netns import (
-    Namespace,
-    build_network,
-    ns_pids,
-    plan_network,
-    remove_namespaces,
-    wait_links_up,
-)
+from .namespace import Namespace, ns_pids, remove_namespaces
+from .netns import build_network, wait_links_up
+from .netplan import plan_network
 from .relay import DEFAULT_PORT
 from .shaping import (
     LOSS_CHAIN,

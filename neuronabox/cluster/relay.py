@@ -447,7 +447,7 @@ class Relay:
         return self.delays.lookup(key, dst)
 
     async def listen(self, key: str, ns=None, host: str = "0.0.0.0") -> int:
-        """Listen inside namespace ``ns`` (a ``netns.Namespace``; None: this one); returns the port."""
+        """Listen inside namespace ``ns`` (a ``namespace.Namespace``; None: this one); returns the port."""
         make = (lambda: ns.socket(socket.AF_INET, socket.SOCK_STREAM)) if ns is not None else (
             lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
         sock = make()

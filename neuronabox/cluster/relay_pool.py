@@ -36,7 +36,7 @@ import sys
 import threading
 from dataclasses import astuple
 
-from .netns import Namespace
+from .namespace import Namespace
 from .relay import Delays, Peers, Relay
 from .steering import node_home
 

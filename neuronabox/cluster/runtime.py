@@ -25,11 +25,8 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from .netns import (
-    DEFAULT_SUBNET,
-    Namespace,
-    check_cluster_size,
-)
+from .namespace import Namespace
+from .netplan import DEFAULT_SUBNET, check_cluster_size
 from .netns_cluster import (
     UpResult,
     down_network,
@@ -318,7 +315,7 @@ def doctor() -> list[dict]:
         row("network namespaces", None, "not checked (needs root)")
     if scratch is not None:
         try:
-            from .netns import RtBatch
+            from .rtnetlink import RtBatch
 
             b = RtBatch(scratch)
             b.veth("dva", 2, "dvb", 3, os.open(scratch.path, os.O_RDONLY | os.O_CLOEXEC))

@@ -23,7 +23,7 @@ import struct
 import subprocess
 from dataclasses import asdict, dataclass
 
-from .netns import Namespace
+from .namespace import Namespace
 from .nfqueue import queue_rule
 from .relay import redirect_rule
 

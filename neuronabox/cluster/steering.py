@@ -105,7 +105,7 @@ def node_cpu(index: int) -> int:
 
 def node_home(ns: str) -> int | None:
     """The CPU of the node whose namespace is ``ns`` (None for a switch or a foreign namespace)."""
-    from .netns import ns_role
+    from .netplan import ns_role
 
     role = ns_role(ns)
     return node_cpu(role[1]) if role and role[0] == "h" else None

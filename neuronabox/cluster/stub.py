@@ -66,7 +66,7 @@ def _info(st: ClusterState, node: str) -> dict | None:
 
 def _stub_preexec(ns: str | None, index: int | None):
     """Enter the node's namespace and, in one, its CPU: the stub stands in for the rank pinned there (steering.node_cpu)."""
-    from .netns import Namespace
+    from .namespace import Namespace
     from .steering import node_cpu
 
     if not ns:

@@ -6,6 +6,10 @@ for the emulated neighbours in their namespaces. This module holds the real rank
 it imports torch only inside the client's methods.
 
 The protocol (two planes, the frames, the hello) is described in ``neuronabox.wireproto``.
+This module holds the client and its lanes (sessions, arena, the stubs' schedule, the wire
+thread); beside it ``wire_env.py`` (switches, timeout, where the stubs are), ``wire_peer.py``
+(the connections to one stub and their sender thread), ``wire_rings.py`` (the ring algorithms)
+and ``wire_work.py`` (the ``Work`` an op returns).
 
 Timing: the stub's send times are the model's per-step schedule (``Estimate.steps()``, the
 steps whose destination is the real rank) placed after the op's start as the emulated ranks
@@ -48,146 +52,14 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Callable
 
-from ..wireproto import (FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, SLICE, STUB_PORT, recv_exact, recv_msg,
-                         send_msg)
+from ..wireproto import FRAME, HELLO, KIND_FROM_STUB, KIND_TO_STUB, MAGIC, recv_exact, recv_msg, send_msg
+from .wire_env import ENV_CLUSTER, ENV_TIMEOUT, ENV_WIRE, StubLocator, stall_timeout, stub_locator
+from .wire_peer import StubPeer, WireStall
+from .wire_rings import RingRuns
+from .wire_work import make_work_class
 
-__all__ = [
-    "STUB_PORT", "HELLO", "FRAME", "send_msg", "recv_msg", "recv_exact", "WireClient", "WireStall", "ENV_WIRE",
-    "ENV_CLUSTER", "ENV_TIMEOUT", "stall_timeout", "StubLocator", "use_stubs",
-]
-
-# node -> {"control": Unix socket path, "port": data port, "address": the node's address} of that
-# node's stub, started if it is not. The cluster side provides it (neuronabox.cluster.stub.stub_locator),
-# registered by the process's start-up (neuronabox.launcher.child) with ``use_stubs``: the
-# emulator is given where the stubs are rather than importing the cluster.
-StubLocator = Callable[[str], dict]
-_locator_factory: "Callable[[str], StubLocator] | None" = None
-
-
-def use_stubs(factory: "Callable[[str], StubLocator]") -> None:
-    """Register how a cluster's stubs are found: ``factory(cluster)`` returns a ``StubLocator``."""
-    global _locator_factory
-    _locator_factory = factory
-
-
-def _stub_locator(cluster: str) -> StubLocator:
-    if _locator_factory is None:
-        raise RuntimeError("nbox wire: NBOX_WIRE is set but this process was not started by nbox run "
-                           "(no stub locator registered)")
-    return _locator_factory(cluster)
-
-
-ENV_WIRE = "NBOX_WIRE"
-ENV_CLUSTER = "NBOX_CLUSTER"
-ENV_TIMEOUT = "NBOX_WIRE_TIMEOUT"
-DEFAULT_TIMEOUT = 60.0  # s past an op's modeled end before a silent stub counts as stalled
-
-
-class WireStall(ConnectionError):
-    """A stub or the path to it made no progress within the wire timeout."""
-
-
-def stall_timeout() -> float:
-    """Seconds past an op's modeled end before the wire gives up (``NBOX_WIRE_TIMEOUT``, default 60)."""
-    raw = os.environ.get(ENV_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        from ..errors import InputError
-
-        raise InputError(f"{ENV_TIMEOUT}: expected a positive number of seconds, got {raw!r}")
-    return value
-
-
-def _send_frames(sock: socket.socket, header: bytes, payload) -> None:
-    sock.sendall(header)
-    if payload is not None and len(payload):
-        sock.sendall(payload)
-
-
-# ---- the real rank's side ---------------------------------------------------------------------
-class _Sender:
-    """Writes frames to one data connection in FIFO order, so the ring's sends overlap its receives."""
-
-    def __init__(self, sock: socket.socket, name: str, node: str = ""):
-        self.sock = sock
-        self.node = node
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.done = 0
-        self.queued = 0
-        self.error: BaseException | None = None
-        self.cond = threading.Condition()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def put(self, header: bytes, payload) -> int:
-        """Queue a frame; returns its ticket (wait for it with ``wait``)."""
-        self.queued += 1
-        self.q.put((header, payload))
-        return self.queued
-
-    def wait(self, ticket: int | None = None, deadline: float | None = None) -> None:
-        """Block until frame ``ticket`` (default: every queued frame) is written, at most until ``deadline`` (monotonic)."""
-        target = self.queued if ticket is None else ticket
-        with self.cond:
-            while self.done < target and self.error is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise WireStall(f"nbox wire: sending to the stub on {self.node} stalled: {self.done} of {target} "
-                                    f"frames written within the wire timeout ({ENV_TIMEOUT})")
-                self.cond.wait(left)
-        if self.error is not None:
-            if isinstance(self.error, TimeoutError):
-                raise WireStall(f"nbox wire: sending to the stub on {self.node} stalled: no room for a frame within "
-                                f"the wire timeout ({ENV_TIMEOUT})")
-            raise ConnectionError(f"nbox wire: sending to the stub on {self.node} failed: {self.error}")
-
-    def _run(self) -> None:
-        while True:
-            header, payload = self.q.get()
-            if header is None:
-                return
-            try:
-                _send_frames(self.sock, header, payload)
-            except OSError as exc:
-                with self.cond:
-                    self.error = exc
-                    self.cond.notify_all()
-                return
-            with self.cond:
-                self.done += 1
-                self.cond.notify_all()
-
-    def close(self) -> None:
-        """Stop the thread after what is queued."""
-        self.q.put((None, None))
-
-
-class _Peer:
-    """The connections to one stub process: control, data to it, data from it."""
-
-    def __init__(self, node: str, ctl: socket.socket, out: socket.socket, inp: socket.socket):
-        self.node = node
-        self.ctl = ctl
-        self.out = out
-        self.inp = inp
-        self.sender = _Sender(out, f"nbox-wire-send-{node}", node)
-        self.arena_size = 0
-
-
-def _mv(t) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (any dtype; no numpy needed)."""
-    import ctypes
-
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+__all__ = ["WireClient"]
 
 
 class _Job:
@@ -203,94 +75,7 @@ class _Job:
         self.seq = 0
 
 
-def _make_work_class():
-    import torch
-    import torch.distributed as dist
-
-    class WireWork(dist.Work):
-        """A collective whose bytes cross the wire: complete when the wire thread says so."""
-
-        def __init__(self, rec, result):
-            super().__init__()
-            self.rec = rec
-            self._result = result
-            self._done = threading.Event()
-            # What the backend's coalescing group (_GroupWork) reads from the works it joins.
-            self._rec, self._event, self._device = rec, None, None
-            self._future = self._chained = None
-            self._error: BaseException | None = None
-            self._lock = threading.Lock()
-
-        def _finish(self, error: BaseException | None = None) -> None:
-            with self._lock:
-                self._error = error
-                self._done.set()
-                fut = self._future
-            if fut is not None:
-                fut.set_result(None)  # the chained future returns the result or raises the error
-
-        def wait(self, timeout=None) -> bool:
-            """Block until the real transfer is over."""
-            from .timeline import clock
-
-            t = clock()
-            limit = timeout.total_seconds() if timeout else None
-            if not self._done.wait(limit or None):
-                raise RuntimeError(f"nbox wire: {self.rec.op.value} timed out after {limit:.3f}s")
-            self.rec.wait += clock() - t
-            if self._error is not None:
-                raise RuntimeError(f"nbox wire: {self.rec.op.value} failed: {self._error}")
-            return True
-
-        def synchronize(self) -> None:
-            """Like ``wait``."""
-            self.wait()
-
-        def block_current_stream(self) -> None:
-            """CPU only: wait."""
-            self.wait()
-
-        def is_completed(self) -> bool:
-            """Whether the transfer is over."""
-            return self._done.is_set()
-
-        def is_success(self) -> bool:
-            """Whether it completed without error."""
-            return self._done.is_set() and self._error is None
-
-        def exception(self):
-            """The error, if it failed."""
-            return self._error
-
-        def result(self):
-            """The output tensors."""
-            return self._result
-
-        def source_rank(self) -> int:
-            """Not a recv."""
-            return -1
-
-        def get_future(self) -> torch.futures.Future:
-            """A future completed by the wire thread with the output tensors."""
-            with self._lock:
-                if self._chained is None:
-                    # DDP's reducer crashes (torch 2.13) on a future failed with set_exception from
-                    # Python; an error raised in a then-callback reaches it as a clean exception.
-                    self._future = torch.futures.Future()
-                    self._chained = self._future.then(self._outcome)
-                    if self._done.is_set():
-                        self._future.set_result(None)
-                return self._chained
-
-        def _outcome(self, _base):
-            if self._error is not None:
-                raise RuntimeError(f"nbox wire: {self.rec.op.value} failed: {self._error}") from self._error
-            return self._result
-
-    return WireWork
-
-
-class WireClient:
+class WireClient(RingRuns):
     """The real rank's end of wire mode: a wire thread per lane, each lane its own session with the stubs.
 
     Gloo runs a process group's ops on two worker threads, so a second op moves its bytes while
@@ -305,10 +90,10 @@ class WireClient:
         self.emu = emulator
         self.cluster = cluster
         if locate is None:
-            locate = _front._locate if _front is not None else _stub_locator(cluster)
+            locate = _front._locate if _front is not None else stub_locator(cluster)
         self._locate = locate
         self.session = uuid.uuid4().int & ((1 << 63) - 1)
-        self.peers: dict[str, _Peer] = {}
+        self.peers: dict[str, StubPeer] = {}
         self.q: queue.SimpleQueue = _front.q if _front is not None else queue.SimpleQueue()
         # The first failed op's error, for every lane: the streams are out of step after it.
         self._failed: list[BaseException] = _front._failed if _front is not None else []
@@ -322,7 +107,7 @@ class WireClient:
         self.stall = stall_timeout()
         self._deadline = float("inf")  # monotonic: the current op's modeled end plus the stall timeout
         self._op = ""
-        self._Work = _make_work_class()
+        self._Work = make_work_class()
         self.lanes: list[WireClient] = [self]
         if _front is None:
             self.lanes += [WireClient(emulator, cluster, _front=self, locate=locate) for _ in range(max(1, lanes) - 1)]
@@ -372,7 +157,7 @@ class WireClient:
     def _node(self, rank: int) -> str:
         return self.emu.topology.node_of(rank).name
 
-    def _peer(self, node: str) -> _Peer:
+    def _peer(self, node: str) -> StubPeer:
         p = self.peers.get(node)
         if p is not None:
             return p
@@ -397,7 +182,7 @@ class WireClient:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.sendall(HELLO.pack(MAGIC, self.session, kind))
             socks.append(s)
-        p = _Peer(node, ctl, socks[0], socks[1])
+        p = StubPeer(node, ctl, socks[0], socks[1])
         self.peers[node] = p
         return p
 
@@ -422,7 +207,7 @@ class WireClient:
                 pass
             os.close(oldfd)
 
-    def _share_arena(self, p: _Peer) -> None:
+    def _share_arena(self, p: StubPeer) -> None:
         if self.arena is not None and p.arena_size != self.arena_size:
             send_msg(p.ctl, {"t": "arena", "size": self.arena_size}, [self.arena_fd])
             p.arena_size = self.arena_size
@@ -597,12 +382,12 @@ class WireClient:
         """Seconds until the current op counts as stalled (never 0: a socket timeout of 0 means non-blocking)."""
         return max(1e-3, self._deadline - time.monotonic())
 
-    def _stalled(self, p: _Peer, what: str) -> WireStall:
+    def _stalled(self, p: StubPeer, what: str) -> WireStall:
         return WireStall(f"nbox wire: {self._op} stalled: {what} from the stub on {p.node} within {self.stall:g} s of the "
                          f"op's modeled end ({ENV_TIMEOUT}); the stub or the path to it stopped (stub log: "
                          f"stub-{p.node}.log in the cluster's state directory)")
 
-    def _announce(self, job, p: _Peer, sends: list[list]) -> None:
+    def _announce(self, job, p: StubPeer, sends: list[list]) -> None:
         p.ctl.settimeout(self._left())
         try:
             self._share_arena(p)
@@ -610,11 +395,11 @@ class WireClient:
         except TimeoutError:
             raise self._stalled(p, "no room on the control socket") from None
 
-    def _sent(self, p: _Peer) -> None:
+    def _sent(self, p: StubPeer) -> None:
         """Wait until every frame queued for the stub ``p`` has been written (an op's end, as gloo's ``waitSend``)."""
         p.sender.wait(deadline=self._deadline)
 
-    def _recv_frame(self, p: _Peer, seq: int, step: int, dest: memoryview) -> None:
+    def _recv_frame(self, p: StubPeer, seq: int, step: int, dest: memoryview) -> None:
         p.inp.settimeout(self._left())
         try:
             head = recv_exact(p.inp, FRAME.size)
@@ -630,188 +415,6 @@ class WireClient:
             raise ConnectionError(
                 f"nbox wire: expected frame ({seq}, {step}, {len(dest)} B) from {p.node}, got ({s}, {k}, {n} B)")
 
-    def _neighbours(self, pg):
-        order, me, prev, nxt = self._ring(pg)
-        pp, pn = self._peer(self._node(prev)), self._peer(self._node(nxt))
-        return order, me, prev, nxt, pp, pn
-
-    def _t0(self, job) -> float:
-        # The emulated ranks reach the op with us, or later by the straggler delay.
-        return job.t0 + job.rec.extra
-
-    def _pipeline(self, job, pg, chunks: list, arena_off, first: int, nsteps: int, receive) -> None:
-        """A ring of ``nsteps`` steps over ``chunks`` (1-D tensors by chunk index), pipelined in slices.
-
-        Step k receives chunk ``recv(k)`` from the previous rank and forwards it, once
-        ``receive`` has stored it, as step k+1 to the next rank (in a ring the chunk received at
-        step k is the one sent at step k+1); step 0 sends chunk ``first``. Slices (``SLICE``
-        bytes) let step k+1 start before step k has fully arrived, as NCCL's ring does.
-        """
-        order, me, prev, nxt, pp, pn = self._neighbours(pg)
-        n = len(order)
-        esize = chunks[first].element_size()
-        J = max(1, -(-max(c.numel() for c in chunks) * esize // SLICE))
-
-        def parts(c: int) -> list[tuple[int, int]]:
-            m = chunks[c].numel()
-            return [(m * j // J, m * (j + 1) // J) for j in range(J)]
-
-        def recv_idx(k: int) -> int:
-            return order[(me - 1 - k) % n] if first == order[me] else order[(me - 2 - k) % n]
-
-        offs = self._times(job.tl, job.rec.op, job.rec.nbytes, 0, prev, pg.global_ranks[pg.rank()], nsteps, job.rec)
-        two = pp is pn
-        t0 = self._t0(job)
-        sends = []
-        for k in range(nsteps):
-            c = recv_idx(k)
-            for j, (lo, hi) in enumerate(parts(c)):
-                # A 2-rank ring: the stub is also our next rank, whose slice j of step k is what
-                # it got from us at step k-1.
-                sends.append([t0 + offs[k], k * J + j, arena_off(c) + lo * esize, (hi - lo) * esize,
-                              (k - 1) * J + j if two and k else -1])
-        self._announce(job, pp, sends)
-        seq, sender = job.seq, pn.sender
-        tickets: dict[tuple[int, int], int] = {}
-        for j, (lo, hi) in enumerate(parts(first)):
-            tickets[(first, j)] = sender.put(FRAME.pack(seq, j, (hi - lo) * esize), _mv(chunks[first][lo:hi]))
-        for k in range(nsteps):
-            c = recv_idx(k)
-            for j, (lo, hi) in enumerate(parts(c)):
-                dst = chunks[c][lo:hi]
-                sender.wait(tickets.get((c, j), 0), self._deadline)  # an earlier send of this slice must have left
-                receive(k, dst, lambda buf: self._recv_frame(pp, seq, k * J + j, buf))
-                if k + 1 < nsteps:
-                    tickets[(c, j)] = sender.put(FRAME.pack(seq, (k + 1) * J + j, (hi - lo) * esize), _mv(dst))
-        self._sent(pn)
-
-    def _ring_reduce(self, job, pg, chunks: list, redop, allgather: bool, arena_off) -> None:
-        """Ring reduce-scatter (then all-gather) over ``chunks``, reducing the received bytes for real."""
-        import torch
-        import torch.distributed as dist
-
-        R = dist.ReduceOp.RedOpType
-        kind = redop.op if hasattr(redop, "op") else redop
-        n = pg.size()
-        tmp_all = self._scratch(max(c.numel() for c in chunks) * chunks[0].element_size())
-
-        def receive(k: int, dst, frame) -> None:
-            tmp = tmp_all[: dst.numel() * dst.element_size()].view(dst.dtype)
-            frame(_mv(tmp))
-            if k < n - 1:  # reduce-scatter: the previous rank's partial stands for k+1 inputs equal to ours
-                m = k + 1
-                if kind in (R.SUM, R.AVG):
-                    dst.add_(tmp, alpha=m)
-                elif kind == R.MAX:
-                    torch.maximum(dst, tmp, out=dst)
-                elif kind == R.MIN:
-                    torch.minimum(dst, tmp, out=dst)
-                else:  # PRODUCT
-                    dst.mul_(tmp.pow(m))
-                if k == n - 2 and kind == R.AVG:
-                    dst.div_(n)
-            elif kind == R.SUM:  # all-gather: a finished chunk, the n-fold reduction of its input
-                torch.mul(tmp, n, out=dst)
-            elif kind == R.PRODUCT:
-                torch.pow(tmp, n, out=dst)
-            else:  # AVG, MAX, MIN of n equal values
-                dst.copy_(tmp)
-
-        order, me = self._ring(pg)[:2]
-        first = order[(me - 1) % n]
-        self._pipeline(job, pg, chunks, arena_off, first, (n - 1) * (2 if allgather else 1), receive)
-
-    def _run_allreduce(self, job, pg, tensors, redop) -> None:
-        import torch
-
-        single = len(tensors) == 1 and tensors[0].is_contiguous()
-        acc = tensors[0].view(-1) if single else torch.cat([t.reshape(-1) for t in tensors])
-        n, e, es = pg.size(), acc.numel(), acc.element_size()
-        self._publish(acc.view(torch.uint8) if e else acc)
-        bounds = [e * i // n for i in range(n + 1)]
-        chunks = [acc[bounds[c] : bounds[c + 1]] for c in range(n)]
-        self._ring_reduce(job, pg, chunks, redop, True, lambda c: bounds[c] * es)
-        if not single:
-            pos = 0
-            for t in tensors:
-                t.copy_(acc[pos : pos + t.numel()].view(t.shape))
-                pos += t.numel()
-
-    def _run_reduce_scatter(self, job, pg, output, ins, redop) -> None:
-        import torch
-
-        acc = torch.cat([t.reshape(-1) for t in ins]) if len(ins) > 1 else ins[0].reshape(-1).clone()
-        n, m, es = pg.size(), output.numel(), acc.element_size()
-        self._publish(acc.view(torch.uint8))
-        chunks = [acc[c * m : (c + 1) * m] for c in range(n)]
-        self._ring_reduce(job, pg, chunks, redop, False, lambda c: c * m * es)
-        output.copy_(chunks[pg.rank()].view(output.shape))
-
-    def _run_all_gather(self, job, pg, outs, inp) -> None:
-        import torch
-
-        n = pg.size()
-        if len(outs) == 1:
-            if not outs[0].is_contiguous():
-                raise RuntimeError("nbox wire: all_gather into a non-contiguous tensor")
-            flat, m = outs[0].view(-1), inp.numel()
-            chunks = [flat[i * m : (i + 1) * m] for i in range(n)]
-        else:
-            if not all(o.is_contiguous() for o in outs):
-                raise RuntimeError("nbox wire: all_gather into non-contiguous tensors")
-            chunks = [o.view(-1) for o in outs]
-        src = inp.reshape(-1).contiguous()
-        self._publish(src.view(torch.uint8))
-        mine = chunks[pg.rank()]
-        if mine.data_ptr() != src.data_ptr():
-            mine.copy_(src)
-        # Every peer's chunk is its input, which mirror semantics says equals ours: arena offset 0.
-        self._pipeline(job, pg, chunks, lambda c: 0, pg.rank(), n - 1, lambda k, dst, frame: frame(_mv(dst)))
-
-    def _run_broadcast(self, job, pg, tensors, root: int) -> None:
-        import torch
-
-        order, me, prev, nxt, pp, pn = self._neighbours(pg)
-        n = len(order)
-        single = len(tensors) == 1 and tensors[0].is_contiguous()
-        buf = tensors[0].view(-1) if single else torch.cat([t.reshape(-1) for t in tensors])
-        raw = buf.view(torch.uint8) if buf.numel() else torch.empty(0, dtype=torch.uint8)
-        size = raw.numel()
-        slices = [(i, min(i + SLICE, size)) for i in range(0, size, SLICE)] or [(0, 0)]
-        hop = (me - order.index(root)) % n  # our place in the chain from the root
-        mv = _mv(raw)
-        if hop > 0:
-            # The previous rank forwards the root's data, which mirror semantics says is ours.
-            self._publish(raw)
-            offs = self._times(job.tl, job.rec.op, job.rec.nbytes, root, prev, pg.global_ranks[pg.rank()], 1, job.rec)
-            t = self._t0(job) + offs[0]
-            self._announce(job, pp, [[t, j, lo, hi - lo, -1] for j, (lo, hi) in enumerate(slices)])
-        for j, (lo, hi) in enumerate(slices):
-            if hop > 0:
-                self._recv_frame(pp, job.seq, j, mv[lo:hi])
-            if hop < n - 1:
-                pn.sender.put(FRAME.pack(job.seq, j, hi - lo), mv[lo:hi])
-        if hop < n - 1:
-            self._sent(pn)
-        if not single:
-            pos = 0
-            for t in tensors:
-                t.copy_(buf[pos : pos + t.numel()].view(t.shape))
-                pos += t.numel()
-
-    def _run_barrier(self, job, pg) -> None:
-        order, me, prev, nxt, pp, pn = self._neighbours(pg)
-        n = len(order)
-        steps = 2 * (n - 1)
-        offs = self._times(job.tl, job.rec.op, 0, 0, prev, pg.global_ranks[pg.rank()], steps, job.rec)
-        two = pp is pn
-        t0 = self._t0(job)
-        self._announce(job, pp, [[t0 + offs[k], k, 0, 0, k - 1 if two and k else -1] for k in range(steps)])
-        empty = memoryview(b"")
-        for k in range(steps):
-            pn.sender.put(FRAME.pack(job.seq, k, 0), None)
-            self._recv_frame(pp, job.seq, k, empty)
-        self._sent(pn)
 
     def close(self) -> None:
         """Stop the wire thread after the queued work and end the sessions (the stubs drop them)."""

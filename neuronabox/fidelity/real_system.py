@@ -103,7 +103,7 @@ def rank_preexec(ns_path: str | None, core: int | None, hostname: str | None = N
     """What a rank's process does before it runs: enter its node's namespace, take its hostname and core, lead its own process group."""
     import ctypes
 
-    from ..cluster.netns import Namespace
+    from ..cluster.namespace import Namespace
 
     enter = Namespace(os.path.basename(ns_path)).preexec() if ns_path else None
     libc = ctypes.CDLL(None, use_errno=True) if hostname else None

@@ -15,7 +15,7 @@ import os
 import wrapt
 
 from ..emu.launch import install
-from ..emu.wire import ENV_WIRE, use_stubs
+from ..emu.wire_env import ENV_WIRE, use_stubs
 
 __all__ = ["autostart", "run_script"]
 

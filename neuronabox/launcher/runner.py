@@ -203,7 +203,7 @@ def _cluster_node(env: dict[str, str], topology: Topology, real_ranks: list[int]
     """The node address and the namespace to launch in, for real ranks that all live on one node of ``cluster``."""
     import contextlib
 
-    from ..cluster.netns import Namespace
+    from ..cluster.namespace import Namespace
     from ..cluster.runtime import node_info, status
 
     st = status(cluster)[0]
@@ -224,7 +224,7 @@ def _cluster_node(env: dict[str, str], topology: Topology, real_ranks: list[int]
 
 def _cluster_hook(env: dict[str, str], topology: Topology, real_rank: int, cluster: str, mode: str):
     """Point ``env`` at the cluster (and wire mode); returns the preexec_fn that enters the real node's namespace."""
-    from ..cluster.netns import Namespace
+    from ..cluster.namespace import Namespace
     from ..cluster.runtime import node_info, status
     from ..cluster.stub import ensure_stub, neighbour_nodes
 
