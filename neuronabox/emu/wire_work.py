@@ -25,7 +25,7 @@ def make_work_class():
             self.rec = rec
             self._result = result
             self._done = threading.Event()
-            # What the backend's coalescing group (_GroupWork) reads from the works it joins.
+            # What the backend's coalescing group (work.GroupWork) reads from the works it joins.
             self._rec, self._event, self._device = rec, None, None
             self._future = self._chained = None
             self._error: BaseException | None = None
