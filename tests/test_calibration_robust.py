@@ -43,7 +43,8 @@ def test_median_interval_is_order_statistics():
     assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # three samples: min..max
     xs = [float(i) for i in range(1, 26)]
     assert median_interval(xs) == (8.0, 18.0)  # n=25: the 8th and 18th, the textbook 95 % ranks
-    assert median_halfwidth([1.0, 1.0]) == float("inf")  # too few to say
+    assert median_halfwidth([1.0, 1.0, 1.0, 1.0]) == float("inf")  # min..max of 4 covers the median 88 %: too few
+    assert median_halfwidth([1.0, 1.0, 1.02, 0.98, 1.0]) == pytest.approx(0.02)
     assert median_halfwidth([1.0] * 10) == 0.0
 
 

@@ -43,8 +43,13 @@ def median_interval(samples: Sequence[float], z: float = 1.96) -> tuple[float, f
 
 
 def median_halfwidth(samples: Sequence[float], z: float = 1.96) -> float:
-    """Half the median's interval over the median (relative); infinite with fewer than 3 samples."""
-    if len(samples) < 3:
+    """Half the median's interval over the median (relative); infinite with fewer than 5 samples.
+
+    Below 5 the interval is min..max and covers the median less often than asked (3 samples: 75 %,
+    5: 94 %): three samples within +-2 % of each other stopped a 1 MiB all-reduce's top-up once
+    at 100 Mbit/s (89.5-91.1 ms), 6-10 % below the four other calibrations' settled times.
+    """
+    if len(samples) < 5:
         return math.inf
     lo, hi = median_interval(samples, z)
     med = statistics.median(samples)
