@@ -110,6 +110,19 @@ def analyse(topo, profiles: list[dict], ops: dict[str, list], draws: int, rng: r
             if name.startswith("stall") else f"{statistics.fmean(sds):.1%}"
         lines.append(f"| {name} | " + " | ".join("-" if v is None else f"{v * scale:.3f}" for v in vals) +
                      f" | {sp} | {sd} |")
+    # The fitted segments, which answer other group sizes and what-ifs (the table only answers the
+    # calibrated one): the all-reduce's last segment's bus bandwidth and its segment count.
+    for name, per in models.items():
+        def last_bw(m) -> float:
+            return m.fits[Op.ALL_REDUCE].segments[-1].bandwidth_Bps * 8 / 1e6
+
+        vals = [last_bw(base) for base, _, _ in per]
+        sds = [relative_sd(last_bw(m) for m in drawn) for _, drawn, _ in per]
+        segs = [len(base.fits[Op.ALL_REDUCE].segments) for base, _, _ in per]
+        doc["figures"][f"all_reduce_last_segment_Mbps_{name}"] = {"values": vals, "bootstrap_sd": sds, "segments": segs}
+        lines.append(f"| all-reduce B of the last segment, Mbit/s ({name}; segments) | " +
+                     " | ".join(f"{v:.1f} ({k})" for v, k in zip(vals, segs)) +
+                     f" | {spread(vals):.1%} | {statistics.fmean(sds):.1%} |")
     if all(c is not None for c in cpu):
         doc["figures"]["cpu_per_byte_s"] = {"values": cpu}
         lines.append("| cpu_cost ns/B (no samples: one window a size) | " + " | ".join(f"{c * 1e9:.2f}" for c in cpu) +
