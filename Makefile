@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 (CPU build) lies on this kind of machine's disk; pinning it avoids a multi-GB CUDA download.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench published fuzz clean venv sysdeps gpu-kit
+.PHONY: demo test bench published fuzz calibration-repeat clean venv sysdeps gpu-kit
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ bench: venv
 # shipped hardware profiles (neuronabox/model/hardware/) from them.
 published: venv
 	$(BIN)/python benchmarks/published_accuracy.py --write
+
+# Issue 28 part 4: five calibrations of one 2-node netns cluster at 100 and at 300 Mbit/s, the
+# spread of what they predict and what each profile's own samples allow (root; about 20 min):
+# writes benchmarks/results/calibration_repeat.{md,json}.
+calibration-repeat: venv
+	$(BIN)/python benchmarks/calibration_repeat.py --calibrations 5 --rates 100,300
 
 # Wheels for benchmarks/gpu_checks.sh on the lent GPU machine, which has torch, numpy and transformers
 # but no package index: neuronabox's other dependencies but matplotlib, pytest, and theirs (pinned

@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("torch", reason="calibration runs gloo")
 
 
+from neuronabox.fidelity.robust import median_interval  # noqa: E402
+
 from .conftest import run_nbox, stop_nbox_when  # noqa: E402
 from .test_validate_root import leftovers  # noqa: E402
 
@@ -55,6 +57,11 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
         assert fit["n"] == 2 and fit["segments"][0]["lo"] == 0 and fit["segments"][-1]["hi"] is None
         small = doc["measurements"][op][0]["time_s"]
         assert small >= 200e-6  # the relay's one-way delay is on gloo's path
+        # every size keeps its samples by round; its time is settled within its own median's interval
+        for row in doc["measurements"][op]:
+            lo, hi = median_interval(row["samples"])
+            assert len(row["samples"]) >= 3 and row["rounds"] >= 3 and lo <= row["time_s"] <= hi
+            assert len(row["samples"]) == row["rounds"] * row["per_pass"] and "median_s" in row
     assert doc["topology"]["name"] == "cal100m" and doc["library"]["name"] == "gloo"
     # host coupling: a progress rate under compute (wire-bound at 100 Mbit/s: most of the way on)
     # and gloo's CPU per rank per byte (the same order as a memcpy plus a TCP round and the relay's

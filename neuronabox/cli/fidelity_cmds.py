@@ -203,7 +203,8 @@ def calibrate(
     ops: str = typer.Option("all", "--ops", help="Comma list of collectives, or all (what gloo runs among real ranks)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Write the profile here (default: the file emulation.profile names, else <topology>.profile.json beside it)."),
     max_op_time: str = typer.Option("500ms", "--max-op-time", help="Stop an op's sweep after the first size slower than this."),
-    budget: str = typer.Option("150ms", "--budget", help="Measuring time per size (at least 3 samples)."),
+    budget: str = typer.Option("150ms", "--budget", help="Measuring time per size (at least 3 samples); sizes whose "
+                               "median is still uncertain get up to 10 budgets more, 400 in all."),
     write_topology: bool = typer.Option(
         False, "--write-topology", help="Set emulation.profile in the topology file to the new profile (other lines kept)."),
     part: str = typer.Option(

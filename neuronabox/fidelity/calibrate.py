@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -24,6 +25,7 @@ from ..model.profile import OpFit, Segment, ring_terms
 from .fit import fit_piecewise
 from .measure import WorkerPlan
 from .profile import library_info, make_profile
+from .robust import local_times
 
 __all__ = [
     "CALIBRATABLE",
@@ -34,6 +36,8 @@ __all__ = [
     "load_for_calibration",
     "run_calibration",
     "run_intra_node",
+    "settle_times",
+    "fit_measured",
 ]
 
 DEFAULT_SIZES = "4B:256MiB"  # the sweep's sizes unless told (nbox calibrate --sizes; nbox validate --calibrate)
@@ -135,9 +139,10 @@ def run_calibration(
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
         # The stall measurement takes the sweep's care: 100 of its per-size budgets, 5-60 s.
+        # The top-up rounds (WorkerPlan.ci_target) too: 10 budgets a size, 400 in all (1.5 and 60 s by default).
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
                           out=str(Path(tmp) / "measured.json"), stall_budget_s=min(60.0, max(5.0, 100 * budget_s)),
-                          backend=backend, device=device)
+                          topup_s=10 * budget_s, topup_total_s=400 * budget_s, backend=backend, device=device)
         if backend != "gloo":  # the host-coupling figures are a CPU library's
             plan.busy_repeats = plan.pair_repeats = plan.stall_repeats = 0
         worker = _worker_command(plan, Path(tmp))
@@ -147,8 +152,9 @@ def run_calibration(
             _, codes = launch_real(up.name, topology, worker, None, timeout=timeout, record_only=False,
                                    log_dir=Path(tmp))
             measured = _read_measured(plan, codes, Path(tmp))
+    settle_times(measured)
     n = topology.world_size
-    fits = _fit_measured(measured, n)
+    fits = fit_measured(measured, n)
     meta = _meta(t0, max_op_s, budget_s, sizes, measured)
     profile = make_profile(topology, fits, measured["ops"], measured.get("unsupported", {}), meta, backend)
     for key in ("busy_progress", "cpu_cost", "concurrency", "spin_stall"):
@@ -188,6 +194,7 @@ def run_intra_node(
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
                           out=str(Path(tmp) / "measured.json"), backend=backend, device=device,
+                          topup_s=10 * budget_s, topup_total_s=400 * budget_s,
                           busy_repeats=0, pair_repeats=0, stall_repeats=0)
         worker = _worker_command(plan, Path(tmp))
         say(f"measuring {len(ops)} ops x up to {len(sizes)} sizes among {n} ranks of one {node.device} node "
@@ -200,8 +207,9 @@ def run_intra_node(
         pres = [rank_preexec(None, cores[r % len(cores)] if device == "cpu" else None) for r in range(n)]
         codes = run_ranks(worker, envs, pres, timeout=timeout, log_dir=Path(tmp))
         measured = _read_measured(plan, codes, Path(tmp))
+    settle_times(measured)
     return {"ranks": n, "device": node.device, "library": library_info(backend),
-            "ops": {k: v.as_dict() for k, v in _fit_measured(measured, n).items()},
+            "ops": {k: v.as_dict() for k, v in fit_measured(measured, n).items()},
             "unsupported": measured.get("unsupported", {}), "measurements": measured["ops"],
             "meta": _meta(t0, max_op_s, budget_s, sizes, measured)}
 
@@ -238,13 +246,27 @@ def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path) -> dict:
     return json.loads(Path(plan.out).read_text())
 
 
+def settle_times(measured: dict) -> None:
+    """Each sweep row's ``time_s``: its samples' median (kept as ``median_s``) settled by its neighbours' samples (``robust.local_times``).
+
+    The fit and the calibrated model's table read ``time_s``; the median of one size's few
+    samples moved 5-10 % between calibrations of one cluster where DDP's buckets are.
+    """
+    for rows in measured["ops"].values():
+        for row, t in zip(rows, local_times(rows)):
+            if row.get("samples"):
+                row["median_s"] = statistics.median(row["samples"])
+            row["time_s"] = t
+
+
 def _meta(t0: float, max_op_s: float, budget_s: float, sizes: Sequence[int], measured: dict) -> dict[str, Any]:
     """How a part was measured: its time, limits, the sizes asked for and where ops were cut short."""
     return {"seconds": time.perf_counter() - t0, "max_op_s": max_op_s, "budget_s": budget_s,
             "sizes_requested": [min(sizes), max(sizes)], "truncated": measured.get("truncated", {})}
 
 
-def _fit_measured(measured: dict, n: int) -> dict[str, OpFit]:
+def fit_measured(measured: dict, n: int) -> dict[str, OpFit]:
+    """Each op's piecewise fit of its rows' ``time_s`` at group size ``n`` (a barrier's one row: a latency)."""
     fits: dict[str, OpFit] = {}
     for op_name, rows in measured["ops"].items():
         if len(rows) >= 2:

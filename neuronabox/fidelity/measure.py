@@ -25,6 +25,7 @@ from typing import Callable
 
 from ..collectives import Op
 from .fit import fit_line
+from .robust import median_halfwidth
 
 __all__ = ["WorkerPlan", "PAIR_SIZES", "cpu_cost_rows", "pair_ratios"]
 
@@ -64,6 +65,16 @@ class WorkerPlan:
     # cluster, each from one 4 s window (92.8-94.8 in eight with three passes), and the MLP's
     # model-mode iteration followed it (each profile within +-0.7 ms over three runs).
     sweep_passes: int = 3
+    # Then more rounds of the sizes whose median is still uncertain: a size gets another
+    # ``per_pass`` samples a round while the median's 95 % interval is wider than +-ci_target,
+    # its samples fewer than max_samples and its extra samples' time under topup_s; all sizes
+    # together under topup_total_s. With one sample a pass, the 1 MiB all-reduce at 100 Mbit/s
+    # read 88.4-101.9 ms in one calibration (bootstrap sd of the median 2-4 %, benchmarks/
+    # results/calibration_repeat.md); rounds interleave the sizes, as passes do, so a slow
+    # minute of a shared host falls on all of them.
+    ci_target: float = 0.02
+    topup_s: float = 1.0  # nbox calibrate: 10 budgets
+    topup_total_s: float = 45.0  # nbox calibrate: 400 budgets
     stall_repeats: int = 32  # samples per (size, gap) of the op-after-compute measurement (0: skip it)
     stall_groups: int = 4  # spread over this many fresh process groups
     stall_gaps_s: tuple[float, ...] = (0.002, 0.006, 0.02)  # the compute before each of its ops
@@ -125,7 +136,8 @@ def _worker(plan_path: str) -> None:
                             min(plan.max_samples // passes, int(plan.budget_s / passes / max(first * k, 1e-7))))
             samples = _sweep_samples(call, k, samples_n, sync, decide)
             med = statistics.median(samples)
-            rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples, "per_pass": samples_n})
+            rows.append({"size": nbytes, "time_s": med, "k": k, "samples": samples, "per_pass": samples_n,
+                         "rounds": 1})
             if rank == 0:
                 print(f"{op.value:>14} {nbytes:>11} B  {med * 1e6:12.1f} us  (k={k}, {samples_n} samples)", flush=True)
             if op is Op.BARRIER:
@@ -150,11 +162,13 @@ def _worker(plan_path: str) -> None:
                     sync()
                     row["samples"] += _sweep_samples(call, row["k"], row["per_pass"], sync, decide)
                     row["time_s"] = statistics.median(row["samples"])
+                    row["rounds"] += 1
         for size in pair_sizes:
             single, two = _pair_samples(size, -(-plan.pair_repeats // passes), decide)
             singles, twos = pairs.setdefault(size, ([], []))
             singles.extend(single)
             twos.extend(two)
+    _top_up(plan, results, rank, n, device, sync, decide)
     busy = cpu = pair = stall = None
     if plan.stall_repeats > 0 and results.get(Op.ALL_REDUCE.value):
         stall = _spin_stall(plan, results[Op.ALL_REDUCE.value], decide)
@@ -182,6 +196,38 @@ def _worker(plan_path: str) -> None:
                                               "busy_progress": busy, "cpu_cost": cpu, "concurrency": pair,
                                               "spin_stall": stall}))
     dist.destroy_process_group()
+
+
+def _top_up(plan: WorkerPlan, results: dict[str, list[dict]], rank: int, n: int, device, sync, decide) -> None:
+    """Rounds over the sweep's rows whose median is uncertain (``WorkerPlan.ci_target``), ``per_pass`` samples each, within the top-up budgets.
+
+    Every decision reads the agreed samples only (the slowest rank's, the same on every rank),
+    so all ranks run the same ops; the time spent is counted from them too, not from a clock.
+    """
+    spent: dict[int, float] = {}
+    total = 0.0
+    while True:
+        todo = [(op_name, row) for op_name, rows in results.items() for row in rows
+                if len(row["samples"]) < plan.max_samples and median_halfwidth(row["samples"]) > plan.ci_target
+                and spent.get(id(row), 0.0) + row["time_s"] * row["k"] * row["per_pass"] <= plan.topup_s]
+        # The widest interval in seconds first: if the total runs out, what is left uncertain costs
+        # the least time (on a loaded host a 4 B op's interval stayed at +-10-70 % after 40 samples).
+        todo.sort(key=lambda item: -median_halfwidth(item[1]["samples"]) * item[1]["time_s"])
+        if not todo or total >= plan.topup_total_s:
+            return
+        for op_name, row in todo:
+            call, _ = _op_call(Op.parse(op_name), row["size"], rank, n, device)
+            call()
+            sync()
+            new = _sweep_samples(call, row["k"], row["per_pass"], sync, decide)
+            row["samples"] += new
+            row["time_s"] = statistics.median(row["samples"])
+            row["rounds"] += 1
+            took = sum(new) * row["k"]
+            spent[id(row)] = spent.get(id(row), 0.0) + took
+            total += took
+            if total >= plan.topup_total_s:
+                return
 
 
 def _sweep_samples(call: Callable[[], object], k: int, count: int, sync, decide) -> list[float]:
@@ -472,7 +518,8 @@ def _concurrency(rows: list[dict], n: int, pairs: dict[int, tuple[list[float], l
                        "sec_per_byte": max(t2 - latency, 0.0) / (2 * size),
                        "single_samples": single, "pair_samples": two})
     top = points[-1]
-    return {**top, "ranks": n, "points": [{k: v for k, v in pt.items() if not k.endswith("_samples")} for pt in points]}
+    # Every size keeps its samples: what a resampling of the calibration draws from (fidelity/resample.py).
+    return {**top, "ranks": n, "points": points}
 
 
 def pair_ratios(concurrency: dict) -> list[tuple[int, float]]:
