@@ -10,7 +10,7 @@ import pytest
 
 from neuronabox.collectives import Op
 from neuronabox.errors import InputError
-from neuronabox.fidelity.calibrate import default_sizes, parse_ops, parse_size_range
+from neuronabox.fidelity.calibrate import _topup, default_sizes, parse_ops, parse_precision, parse_size_range
 from neuronabox.fidelity.fit import fit_piecewise, link_estimate
 from neuronabox.fidelity.measure import cpu_cost_rows
 from neuronabox.fidelity.profile import make_profile, save_profile
@@ -95,6 +95,17 @@ def test_sizes_ops_and_their_errors():
             parse_size_range(bad)
     with pytest.raises(InputError, match="--ops"):
         parse_ops("all_reduce,frobnicate")
+
+
+def test_precision_sets_the_top_up_rounds_and_off_has_none():
+    assert parse_precision("2%") == pytest.approx(0.02) and parse_precision("0.05") == pytest.approx(0.05)
+    assert parse_precision("off") == parse_precision("0") == 0.0
+    on, off = _topup(0.02, 0.15), _topup(0.0, 0.15)
+    assert on == {"ci_target": 0.02, "topup_s": pytest.approx(1.5), "topup_total_s": pytest.approx(60.0)}
+    assert off["topup_s"] == off["topup_total_s"] == 0.0
+    for bad in ("2x", "150%", "-1%", "nan"):
+        with pytest.raises(InputError, match="--precision"):
+            parse_precision(bad)
 
 
 def synthetic_profile(tmp_path, topology=TWO):

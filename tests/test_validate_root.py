@@ -85,8 +85,9 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
     before = leftovers(tmp_path / "state")
     out, prof = tmp_path / "v.json", tmp_path / "here.profile.json"
     # The passing case also calibrates first, on the validation's own cluster, and emulates with that.
-    calibrate = (["--calibrate", "--calibrate-ops", "all_reduce", "--calibrate-sizes", "4B:2MiB", "--profile", str(prof)]
-                 if code == 0 else [])
+    # Its sizes' medians as the sweep's passes leave them (--calibrate-precision off): calibrate's own test tops them up.
+    calibrate = (["--calibrate", "--calibrate-ops", "all_reduce", "--calibrate-sizes", "4B:2MiB",
+                  "--calibrate-precision", "off", "--profile", str(prof)] if code == 0 else [])
     # The failing case also reruns the real system (real-again), which reads an error and does not gate.
     # It also runs without the load twin (the passing case has it, as by default).
     no_twin = ["--no-twin"] if code == 1 else []
@@ -115,6 +116,7 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
         doc = json.loads(prof.read_text())
         assert doc["format"] == "neuronabox-calibration/1" and set(doc["ops"]) == {"all_reduce"}
         assert max(m["size"] for m in doc["measurements"]["all_reduce"]) == 2 << 20
+        assert all(m["rounds"] == 3 for m in doc["measurements"]["all_reduce"])  # no top-up rounds
         assert v["model"] == "calibrated" and v["profile"] == str(prof) and "calibrating all_reduce" in r.stdout
     else:
         assert v["model"] != "calibrated"

@@ -97,6 +97,8 @@ def validate(
     calibrate_sizes: str = typer.Option(
         DEFAULT_SIZES, "--calibrate-sizes", help="With --calibrate: MIN:MAX message sizes (nbox calibrate --sizes); the "
         "largest the job sends is enough (DDP's buckets: 25 MiB by default)."),
+    calibrate_precision: str = typer.Option(
+        "2%", "--calibrate-precision", help="With --calibrate: nbox calibrate --precision (off: the sweep's passes only)."),
     twin: bool = typer.Option(
         True, "--twin/--no-twin",
         help="Load twin (default on): during each emulated run, every other rank of the real system runs as its own "
@@ -133,7 +135,7 @@ def validate(
 
     from rich.table import Table
 
-    from ..fidelity.calibrate import parse_ops, parse_size_range
+    from ..fidelity.calibrate import parse_ops, parse_precision, parse_size_range
     from ..fidelity.validate import parse_modes, parse_tolerance, run_validation
     from ..fidelity.verdict import UNDECIDED, UNDECIDED_WHY, error_table
 
@@ -143,17 +145,21 @@ def validate(
         raise InputError("--calibrate-ops: only read with --calibrate")
     if calibrate_sizes != DEFAULT_SIZES and not calibrate:
         raise InputError("--calibrate-sizes: only read with --calibrate")
+    if calibrate_precision != "2%" and not calibrate:
+        raise InputError("--calibrate-precision: only read with --calibrate")
     if (mesh is not None or role_repeats != 3) and roles is None:
         raise InputError("--mesh and --role-repeats: only read with --roles")
     cal_ops = parse_ops(calibrate_ops, "--calibrate-ops") if calibrate else None
     cal_sizes = parse_size_range(calibrate_sizes, "--calibrate-sizes") if calibrate else None
+    cal_precision = parse_precision(calibrate_precision, "--calibrate-precision")
     if not command:
         raise InputError("nbox validate: no command to run (usage: nbox validate TOPOLOGY [OPTIONS] -- python train.py ARGS)")
     if not topology.is_file():
         raise InputError(f"{topology}: no such topology file")
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
-                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes, real_rank=rank,
+                       keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes,
+                       calibrate_precision=cal_precision, real_rank=rank,
                        role_profile=role_profile, roles=roles, mesh=mesh, role_repeats=role_repeats,
                        against=against or None)
     rows = error_table(v)
@@ -205,6 +211,8 @@ def calibrate(
     max_op_time: str = typer.Option("500ms", "--max-op-time", help="Stop an op's sweep after the first size slower than this."),
     budget: str = typer.Option("150ms", "--budget", help="Measuring time per size (at least 3 samples); sizes whose "
                                "median is still uncertain get up to 10 budgets more, 400 in all."),
+    precision: str = typer.Option("2%", "--precision", help="Sample a size until its median is known within this "
+                                  "(95 % interval), within the budgets; off: the sweep's three passes only."),
     write_topology: bool = typer.Option(
         False, "--write-topology", help="Set emulation.profile in the topology file to the new profile (other lines kept)."),
     part: str = typer.Option(
@@ -227,6 +235,7 @@ def calibrate(
         default_sizes,
         load_for_calibration,
         parse_ops,
+        parse_precision,
         parse_size_range,
         run_calibration,
         run_intra_node,
@@ -238,6 +247,7 @@ def calibrate(
 
     lo, hi = parse_size_range(sizes)
     op_list = parse_ops(ops)
+    ci = parse_precision(precision)
     try:
         max_op_s, budget_s = parse_duration(max_op_time), parse_duration(budget)
     except UnitError as exc:
@@ -250,7 +260,8 @@ def calibrate(
     sizes_list = default_sizes(lo, hi, step)
     intra = None
     if part in ("network", "all"):
-        doc = run_calibration(topo, op_list, sizes_list, max_op_s=max_op_s, budget_s=budget_s, progress=say)
+        doc = run_calibration(topo, op_list, sizes_list, max_op_s=max_op_s, budget_s=budget_s, precision=ci,
+                              progress=say)
     elif out.exists():
         doc = json.loads(out.read_text(encoding="utf-8"))  # the network part measured before: kept
         load_profile(out)  # a clear error for a file that is no profile
@@ -259,7 +270,7 @@ def calibrate(
     if part == "all" and topo.nodes[0].ranks < 2:
         say("intra-node: one rank per node, nothing to measure")
     elif part in ("intra-node", "all"):
-        intra = doc["intra_node"] = run_intra_node(topo, op_list, sizes_list, max_op_s=max_op_s, budget_s=budget_s,
+        intra = doc["intra_node"] = run_intra_node(topo, op_list, sizes_list, max_op_s=max_op_s, budget_s=budget_s, precision=ci,
                                                    progress=say)
     save_profile(doc, out)
     if part != "intra-node":

@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_SIZES",
     "parse_size_range",
     "parse_ops",
+    "parse_precision",
     "default_sizes",
     "load_for_calibration",
     "run_calibration",
@@ -61,6 +62,27 @@ def parse_size_range(text: str, flag: str = "--sizes") -> tuple[int, int]:
     if not 1 <= a <= b:
         raise InputError(f"{flag}: expected MIN:MAX with 1 <= MIN <= MAX (e.g. 4B:256MiB), got {text!r}")
     return a, b
+
+
+def parse_precision(text: str, flag: str = "--precision") -> float:
+    """``2%``, ``0.02`` -> 0.02; ``0`` or ``off`` -> 0.0 (no top-up rounds); errors name the flag."""
+    s = str(text).strip().lower()
+    if s == "off":
+        return 0.0
+    try:
+        value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
+    except ValueError:
+        raise InputError(f"{flag}: expected a percentage like 2%, a fraction like 0.02, or off; got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise InputError(f"{flag}: must be 0 (off) or a fraction under 1, got {text!r}")
+    return value
+
+
+def _topup(precision: float, budget_s: float) -> dict[str, float]:
+    """The WorkerPlan fields of the top-up rounds: 10 budgets a size, 400 in all; none at precision 0."""
+    if precision <= 0.0:
+        return {"ci_target": 0.0, "topup_s": 0.0, "topup_total_s": 0.0}
+    return {"ci_target": precision, "topup_s": 10 * budget_s, "topup_total_s": 400 * budget_s}
 
 
 def parse_ops(text: str, flag: str = "--ops") -> list[Op]:
@@ -119,6 +141,7 @@ def run_calibration(
     *,
     max_op_s: float = 0.5,
     budget_s: float = 0.15,
+    precision: float = 0.02,
     cluster: str | None = None,
     progress: Callable[[str], None] | None = None,
     timeout: float = 900.0,
@@ -139,10 +162,10 @@ def run_calibration(
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
         # The stall measurement takes the sweep's care: 100 of its per-size budgets, 5-60 s.
-        # The top-up rounds (WorkerPlan.ci_target) too: 10 budgets a size, 400 in all (1.5 and 60 s by default).
+        # The top-up rounds (WorkerPlan.ci_target, --precision) too: 10 budgets a size, 400 in all (1.5 and 60 s by default).
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
                           out=str(Path(tmp) / "measured.json"), stall_budget_s=min(60.0, max(5.0, 100 * budget_s)),
-                          topup_s=10 * budget_s, topup_total_s=400 * budget_s, backend=backend, device=device)
+                          backend=backend, device=device, **_topup(precision, budget_s))
         if backend != "gloo":  # the host-coupling figures are a CPU library's
             plan.busy_repeats = plan.pair_repeats = plan.stall_repeats = 0
         worker = _worker_command(plan, Path(tmp))
@@ -170,6 +193,7 @@ def run_intra_node(
     *,
     max_op_s: float = 0.5,
     budget_s: float = 0.15,
+    precision: float = 0.02,
     progress: Callable[[str], None] | None = None,
     timeout: float = 900.0,
 ) -> dict[str, Any]:
@@ -194,7 +218,7 @@ def run_intra_node(
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
                           out=str(Path(tmp) / "measured.json"), backend=backend, device=device,
-                          topup_s=10 * budget_s, topup_total_s=400 * budget_s,
+                          **_topup(precision, budget_s),
                           busy_repeats=0, pair_repeats=0, stall_repeats=0)
         worker = _worker_command(plan, Path(tmp))
         say(f"measuring {len(ops)} ops x up to {len(sizes)} sizes among {n} ranks of one {node.device} node "

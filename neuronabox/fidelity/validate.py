@@ -237,6 +237,7 @@ def run_validation(
     twin: bool = True,
     calibrate_ops: Sequence | None = None,
     calibrate_sizes: tuple[int, int] | None = None,
+    calibrate_precision: float = 0.02,
     real_rank: int | None = None,
     role_profile: Path | None = None,
     roles: str | None = None,
@@ -248,7 +249,8 @@ def run_validation(
 
     ``twin``: run the load twin beside every emulated run (see the module's notes); turn it off
     when the real system's ranks do not share one machine. ``calibrate_ops``: first calibrate
-    these collectives (at sizes ``calibrate_sizes``, MIN and MAX, else calibrate's default) on
+    these collectives (at sizes ``calibrate_sizes``, MIN and MAX, else calibrate's default; each
+    size's median to ``calibrate_precision``, 0: the sweep's passes only) on
     the validation's own cluster (``nbox calibrate``'s sweep) and run the
     emulated systems on that profile, written to ``profile`` (else to ``keep_logs``, else dropped).
     ``real_rank``: the emulated runs' real rank, the one the real system records (default the
@@ -336,7 +338,8 @@ def run_validation(
         if calibrate_ops:
             # On the cluster the runs use, right before them: a profile measured minutes or a
             # cluster instance earlier reads this machine's state then (docs/guide/validate.md).
-            profile = _calibrate_here(topo, up.name, calibrate_ops, calibrate_sizes, calibrated_to, keep_logs or tmp, say)
+            profile = _calibrate_here(topo, up.name, calibrate_ops, calibrate_sizes, calibrated_to, keep_logs or tmp, say,
+                                      calibrate_precision)
             effective = with_profile(topo, profile, None)
         if roles is not None:
             role_profile = _profile_here(topology_file, topo, command, roles, mesh, role_repeats, model, profile,
@@ -426,14 +429,14 @@ def _run_real(cluster: str, topo, command: Sequence[str], rec: Path, logs: Path,
 
 
 def _calibrate_here(topo, cluster: str, ops: Sequence, sizes: tuple[int, int] | None, out: Path | None, folder: Path,
-                    say) -> Path:
+                    say, precision: float = 0.02) -> Path:
     """``nbox calibrate``'s network sweep of ``ops`` on ``cluster``; the profile's path (``out``, else in ``folder``)."""
     from .calibrate import DEFAULT_SIZES, default_sizes, parse_size_range, run_calibration
     from .profile import save_profile
 
     say(f"calibrating {', '.join(o.value for o in ops)} on this cluster")
     doc = run_calibration(topo, ops, default_sizes(*(sizes or parse_size_range(DEFAULT_SIZES))), cluster=cluster,
-                          progress=say)
+                          precision=precision, progress=say)
     path = Path(out if out is not None else folder / "profile.json").resolve()
     save_profile(doc, path)
     say(f"calibrated in {doc['meta']['seconds']:.0f} s: {path}")
