@@ -98,6 +98,12 @@ class Section(_Strict):
         "curves rise over three decades of size, more slowly than one latency and one bandwidth allow",
     )
     ramp_exponent: float = Field(1.0, gt=0, le=4, allow_inf_nan=False, description="how steeply it rises there (1: as a latency would)")
+    p2p_half_bytes: float = Field(
+        0.0, ge=0, le=1e12, allow_inf_nan=False,
+        description="direct transfers (all-to-all, send/recv): bytes per peer at which they reach half their "
+        "bandwidth (0: at once); many small messages to many peers pay per-message costs a collective's ring does not",
+    )
+    p2p_ramp_exponent: float = Field(1.0, gt=0, le=4, allow_inf_nan=False, description="how steeply direct transfers rise there")
 
 
 class Match(_Strict):
