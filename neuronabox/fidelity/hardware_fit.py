@@ -72,7 +72,8 @@ def _vector_fields(section: Section, network: bool, p2p: bool = False) -> list[t
     out += [("nvls_efficiency", None, section.nvls_efficiency, 1e-3, 1.0), ("nvls_us", None, section.nvls_us, 0.05, 1e4),
             ("tree_efficiency", None, section.tree_efficiency, 1e-3, 1.0),
             ("half_bytes", None, section.half_bytes or 1.0, 1e-3, 1e10),  # prior: no ramp
-            ("ramp_exponent", None, section.ramp_exponent, 0.1, 4.0)]
+            ("ramp_exponent", None, section.ramp_exponent, 0.1, 4.0),
+            ("overlap", None, section.overlap, 1.0, 8.0)]  # prior: latency and transfer add up
     if p2p:
         out += [("p2p_half_bytes", None, section.p2p_half_bytes or 1.0, 1e-3, 1e10)]  # prior: no ramp
     return out

@@ -390,9 +390,16 @@ class NcclModel(CommModel):
             bw = min(nc * ch_bw, cap) * mult
         else:
             bw = cap
+        transfer = nbytes / (1000.0 * bw)
         if h.half_bytes and nbytes:
-            return lat + nbytes / (1000.0 * bw) * (1.0 + (h.half_bytes * t.n_ranks / nbytes) ** h.ramp_exponent)
-        return lat + nbytes / (1000.0 * bw)
+            transfer *= 1.0 + (h.half_bytes * t.n_ranks / nbytes) ** h.ramp_exponent
+        k = h.overlap
+        if k != 1.0 and transfer > 0:
+            # Pipelining: NCCL keeps several slices of a channel in flight (NCCL_STEPS), so once the
+            # transfer is long the per-step handshakes hide behind it; the launch never does.
+            steps = lat - h.launch_us
+            return h.launch_us + (steps ** k + transfer ** k) ** (1.0 / k)
+        return lat + transfer
 
     def _hw_terms(self, t: _GroupTables, func: int, cand: _Candidate) -> tuple[float, float, float, float, float]:
         """(latency µs, channel threshold bytes or 0, GB/s a channel, GB/s cap, algorithm factor) of a candidate."""
