@@ -124,6 +124,44 @@ def test_half_the_sizes_predict_the_other_half(truth_times):
     assert max(errs) < 0.05
 
 
+def test_an_all_to_all_that_ramps_with_its_message_size_per_peer_is_fitted():
+    # EFA all-to-alls (aws-p5-*) lose bandwidth at small messages per peer, a curve no latency
+    # plus bandwidth follows; the profile's p2p ramp does, and the fit finds it from the log alone.
+    topo = parse_topology(H100.format(nodes=2, extra=", hardware: none"), "t.yaml")
+    net = TRUTH.model_copy(update=dict(net_hop_us=TRUTH.hop_us, p2p_half_bytes=300e3, p2p_ramp_exponent=0.5))
+    sizes = [1 << i for i in range(20, 32)]  # 1 MiB .. 2 GiB
+    rows = tuple(LogRow(s, s // 4, "float", 1, 1, 1, None, 0) for s in sizes)
+    m = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_TO_ALL, rows, 16, (), (), None))
+    ramped = [t for t, _ in hf.predict(m, net)]
+    flat = [t for t, _ in hf.predict(m, net.model_copy(update=dict(p2p_half_bytes=0.0)))]
+    assert ramped[0] > 1.3 * flat[0] and ramped[-1] < 1.06 * flat[-1]  # per peer: 64 KiB vs 128 MiB (+sqrt(0.3/134) = 5 %)
+    log = NcclTestsLog("x", Op.ALL_TO_ALL, tuple(LogRow(s, s // 4, "float", t, 1, 1, None, 0)
+                                                  for s, t in zip(sizes, ramped)), 16, (), (), None)
+    m = hf.measured_points(topo, log)
+    section = hf.fit_section([m], network=True)
+    worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(log.rows, hf.predict(m, section)))
+    assert worst < 0.01 and section.p2p_half_bytes > 1e4
+
+
+def test_step_latencies_hide_behind_a_long_transfer_and_the_fit_finds_how_far():
+    # PCIe and NVLS logs (l40s-4-*, azure-nd-h100) reach their full bandwidth by 4 MiB: the step
+    # latencies overlap the transfer once a channel has several slices in flight.
+    topo = parse_topology(H100.format(nodes=1, extra=", hardware: none"), "t.yaml")
+    rows = tuple(LogRow(s, s // 4, "float", 1, 1, 1, None, 0) for s in SIZES)
+    m = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_REDUCE, rows, 8, (), (), None))
+    added = [t for t, _ in hf.predict(m, TRUTH)]
+    truth = TRUTH.model_copy(update=dict(overlap=2.5))
+    overlapped = [t for t, _ in hf.predict(m, truth)]
+    ratios = [o / a for o, a in zip(overlapped, added)]
+    assert max(ratios) <= 1 + 1e-9 and min(ratios) < 0.85  # never slower; mid sizes much faster
+    assert ratios[0] > 0.99 and ratios[-1] > 0.99  # 8 B: all latency; 1 GiB: all transfer
+    log = NcclTestsLog("x", Op.ALL_REDUCE, tuple(LogRow(s, s // 4, "float", t, 1, 1, None, 0)
+                                                  for s, t in zip(SIZES, overlapped)), 8, (), (), None)
+    fitted = hf.fit_section([hf.measured_points(topo, log)], network=False)
+    worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(log.rows, hf.predict(m, fitted)))
+    assert worst < 0.02 and fitted.overlap > 1.5
+
+
 def test_calibrate_from_nccl_tests_writes_a_profile_the_topology_then_uses(tmp_path, truth_times):
     (tmp_path / "t.yaml").write_text(H100.format(nodes=1, extra=""))
     (tmp_path / "all_reduce_perf.txt").write_text(log_text(truth_times))

@@ -29,6 +29,10 @@ __all__ = ["Measured", "fit_section", "fit_profile", "predict", "measured_points
 # How strongly a value stays at its prior: a factor e away costs as much as a 2 % error on one row.
 PRIOR_WEIGHT = 0.02
 _LAUNCH_PRIOR_US = 5.0
+# The p2p ramp's steepness is held, not fitted: with exponent 1 the ramp is one more latency, and
+# all-to-all logs (7 sizes from 32 MiB on EFA) cannot tell a free exponent from noise; fitted
+# free, four of them chose 0.42-0.54.
+P2P_RAMP_EXPONENT = 0.5
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,8 @@ def measured_points(topology: Topology, log: NcclTestsLog) -> Measured:
     return Measured(topology, log, group, n_nodes)
 
 
-def _vector_fields(section: Section, network: bool) -> list[tuple[str, str | None, float, float, float]]:
-    """(field, protocol, prior, low, high) for every value the fit moves."""
+def _vector_fields(section: Section, network: bool, p2p: bool = False) -> list[tuple[str, str | None, float, float, float]]:
+    """(field, protocol, prior, low, high) for every value the fit moves (the p2p ramp only when a log times one)."""
     out: list[tuple[str, str | None, float, float, float]] = [("launch_us", None, section.launch_us or _LAUNCH_PRIOR_US, 0.05, 1e4)]
     for p in ("LL", "LL128", "Simple"):
         out.append(("base_us", p, getattr(section.base_us, p) or 0.5, 0.05, 1e4))
@@ -68,7 +72,10 @@ def _vector_fields(section: Section, network: bool) -> list[tuple[str, str | Non
     out += [("nvls_efficiency", None, section.nvls_efficiency, 1e-3, 1.0), ("nvls_us", None, section.nvls_us, 0.05, 1e4),
             ("tree_efficiency", None, section.tree_efficiency, 1e-3, 1.0),
             ("half_bytes", None, section.half_bytes or 1.0, 1e-3, 1e10),  # prior: no ramp
-            ("ramp_exponent", None, section.ramp_exponent, 0.1, 4.0)]
+            ("ramp_exponent", None, section.ramp_exponent, 0.1, 4.0),
+            ("overlap", None, section.overlap, 1.0, 8.0)]  # prior: latency and transfer add up
+    if p2p:
+        out += [("p2p_half_bytes", None, section.p2p_half_bytes or 1.0, 1e-3, 1e10)]  # prior: no ramp
     return out
 
 
@@ -81,6 +88,8 @@ def _section_from(values: Sequence[float], fields, network: bool) -> Section:
             data.setdefault(name, {})[proto] = v
     if not network:
         data.pop("net_hop_us", None)
+    if "p2p_half_bytes" in data:
+        data["p2p_ramp_exponent"] = P2P_RAMP_EXPONENT
     return Section.model_validate(data)
 
 
@@ -99,6 +108,7 @@ def prior_section(measured: Sequence[Measured], network: bool) -> Section:
         "hop_us": lat(intra_hw),
         "channel_GBps": {"LL": speed * 0.5, "LL128": speed * 0.92, "Simple": speed},
         "efficiency": {"LL": 0.45, "LL128": 0.85, "Simple": 0.85},
+        "p2p_ramp_exponent": P2P_RAMP_EXPONENT,
     }
     if network:
         data["net_hop_us"] = lat(nccl.HW_NET)
@@ -143,13 +153,13 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
     if not measured:
         raise InputError("no measurements to fit")
     prior = prior_section(measured, network)
-    fields = _vector_fields(prior, network)
+    fields = _vector_fields(prior, network, any(m.log.op in nccl._P2P_OPS for m in measured))
     x0 = np.log([f[2] for f in fields])
     lo = np.log([f[3] for f in fields])
     hi = np.log([f[4] for f in fields])
     x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
     # The ramp's size is many decades from its prior ("none") when a curve needs it: a weak pull.
-    weight = np.array([PRIOR_WEIGHT / 10 if f[0] == "half_bytes" else PRIOR_WEIGHT for f in fields])
+    weight = np.array([PRIOR_WEIGHT / 10 if f[0] in ("half_bytes", "p2p_half_bytes") else PRIOR_WEIGHT for f in fields])
     models = [_model(m.topology, prior) for m in measured]
     rows = [_usable_rows(m, min_size) for m in measured]
     if not any(rows):
@@ -168,9 +178,9 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
     # Two starts, without and with a ramp (the cost is not convex in it); the better fit wins.
     ramped = x0.copy()
     for i, f in enumerate(fields):
-        if f[0] == "half_bytes":
+        if f[0] in ("half_bytes", "p2p_half_bytes"):
             ramped[i] = np.log(65536.0)
-        elif f[0] == "ramp_exponent":
+        elif f[0] in ("ramp_exponent", "p2p_ramp_exponent"):
             ramped[i] = np.log(0.5)
     best = None
     for start in (x0, ramped):

@@ -98,6 +98,17 @@ class Section(_Strict):
         "curves rise over three decades of size, more slowly than one latency and one bandwidth allow",
     )
     ramp_exponent: float = Field(1.0, gt=0, le=4, allow_inf_nan=False, description="how steeply it rises there (1: as a latency would)")
+    overlap: float = Field(
+        1.0, ge=1, le=8, allow_inf_nan=False,
+        description="how a collective's step latencies overlap its data movement once a channel has several slices "
+        "in flight: time = launch + (latency^k + transfer^k)^(1/k); 1 adds them (one slice), large k takes the larger",
+    )
+    p2p_half_bytes: float = Field(
+        0.0, ge=0, le=1e12, allow_inf_nan=False,
+        description="direct transfers (all-to-all, send/recv): bytes per peer at which they reach half their "
+        "bandwidth (0: at once); many small messages to many peers pay per-message costs a collective's ring does not",
+    )
+    p2p_ramp_exponent: float = Field(1.0, gt=0, le=4, allow_inf_nan=False, description="how steeply direct transfers rise there")
 
 
 class Match(_Strict):

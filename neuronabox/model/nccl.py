@@ -187,9 +187,10 @@ class _P2P:
     """
 
     __slots__ = ("lat_intra_us", "lat_inter_us", "a2a_s_per_byte", "node_of", "local_count", "n",
-                 "intra_bw", "nic_bw", "nic_share_bw")
+                 "intra_bw", "nic_bw", "nic_share_bw", "half_bytes", "ramp_exponent")
 
-    def __init__(self, lat_intra_us, lat_inter_us, node_of, local_count, n, intra_bw, nic_bw, nic_share_bw):
+    def __init__(self, lat_intra_us, lat_inter_us, node_of, local_count, n, intra_bw, nic_bw, nic_share_bw,
+                 half_bytes=0.0, ramp_exponent=1.0):
         # With a hardware profile, the latencies include its launch and the bandwidths its Simple efficiency.
         self.lat_intra_us = lat_intra_us
         self.lat_inter_us = lat_inter_us
@@ -203,6 +204,16 @@ class _P2P:
         for local in local_count.values():
             worst = max(worst, self._spread(local, intra_bw, nic_share_bw))
         self.a2a_s_per_byte = worst
+        # A profile's ramp: a peer's messages reach half the bandwidth at half_bytes each (per-message
+        # costs of the NIC and of NCCL's p2p chunking); 0 leaves the plain latency + bytes / bandwidth.
+        self.half_bytes = half_bytes
+        self.ramp_exponent = ramp_exponent
+
+    def _ramp(self, per_peer: float) -> float:
+        # The bandwidth term's factor for messages of per_peer bytes (1: no ramp).
+        if not self.half_bytes or per_peer <= 0:
+            return 1.0
+        return 1.0 + (self.half_bytes / per_peer) ** self.ramp_exponent
 
     def _spread(self, local: int, intra_bw: float, inter_bw: float) -> float:
         # Seconds per byte of the full buffer for one rank exchanging a 1/n chunk with every peer.
@@ -215,16 +226,17 @@ class _P2P:
         multi = len(self.local_count) > 1
         if op is Op.ALL_TO_ALL:
             lat = self.lat_inter_us if multi else self.lat_intra_us
-            return lat * 1e-6 + nbytes * self.a2a_s_per_byte
+            return lat * 1e-6 + nbytes * self.a2a_s_per_byte * self._ramp(nbytes / self.n)
         if op is Op.SEND_RECV:
             src, dst = ranks[root], ranks[(root + 1) % len(ranks)]
+            ramp = self._ramp(nbytes)
             if self.node_of[src] == self.node_of[dst]:
-                return self.lat_intra_us * 1e-6 + nbytes / self.intra_bw
-            return self.lat_inter_us * 1e-6 + nbytes / self.nic_bw
+                return self.lat_intra_us * 1e-6 + nbytes / self.intra_bw * ramp
+            return self.lat_inter_us * 1e-6 + nbytes / self.nic_bw * ramp
         # Gather and scatter: the root's links carry every chunk; its NIC is its own.
         local = self.local_count[self.node_of[ranks[root]]]
         lat = self.lat_inter_us if local < self.n else self.lat_intra_us
-        return lat * 1e-6 + nbytes * self._spread(local, self.intra_bw, self.nic_bw)
+        return lat * 1e-6 + nbytes * self._spread(local, self.intra_bw, self.nic_bw) * self._ramp(nbytes / self.n)
 
 
 class _GroupTables:
@@ -378,9 +390,16 @@ class NcclModel(CommModel):
             bw = min(nc * ch_bw, cap) * mult
         else:
             bw = cap
+        transfer = nbytes / (1000.0 * bw)
         if h.half_bytes and nbytes:
-            return lat + nbytes / (1000.0 * bw) * (1.0 + (h.half_bytes * t.n_ranks / nbytes) ** h.ramp_exponent)
-        return lat + nbytes / (1000.0 * bw)
+            transfer *= 1.0 + (h.half_bytes * t.n_ranks / nbytes) ** h.ramp_exponent
+        k = h.overlap
+        if k != 1.0 and transfer > 0:
+            # Pipelining: NCCL keeps several slices of a channel in flight (NCCL_STEPS), so once the
+            # transfer is long the per-step handshakes hide behind it; the launch never does.
+            steps = lat - h.launch_us
+            return h.launch_us + (steps ** k + transfer ** k) ** (1.0 / k)
+        return lat + transfer
 
     def _hw_terms(self, t: _GroupTables, func: int, cand: _Candidate) -> tuple[float, float, float, float, float]:
         """(latency µs, channel threshold bytes or 0, GB/s a channel, GB/s cap, algorithm factor) of a candidate."""
@@ -481,7 +500,8 @@ class NcclModel(CommModel):
         # Measured hardware: p2p spreads over every NIC of the node (PXN), more NICs than GPUs too.
         p2p_nics = min(nd.nics for nd in nodes) if hw is not None else nics
         nic_share = p2p_nic_bps * p2p_nics / max_local if n_nodes > 1 else math.inf
-        p2p = _P2P(lat_intra_us, lat_inter_us, node_of, local_count, n_ranks, p2p_intra_bps, p2p_nic_bps, nic_share)
+        p2p = _P2P(lat_intra_us, lat_inter_us, node_of, local_count, n_ranks, p2p_intra_bps, p2p_nic_bps, nic_share,
+                   hw.p2p_half_bytes if hw is not None else 0.0, hw.p2p_ramp_exponent if hw is not None else 1.0)
         # A ring's every channel crosses each node boundary, so across nodes it moves at most what
         # all the node's NICs carry (NCCL spreads channels over every NIC, more NICs than GPUs too).
         node_net_gbps = nic_gbps * min(nd.nics for nd in nodes) if n_nodes > 1 else math.inf
