@@ -10,8 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q "$(TORCH_PIN)" -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed
