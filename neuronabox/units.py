@@ -31,6 +31,7 @@ __all__ = [
     "parse_bandwidth",
     "parse_duration",
     "parse_size",
+    "parse_fraction_flag",
     "parse_ratio",
     "format_bandwidth",
     "format_duration",
@@ -179,6 +180,27 @@ def parse_ratio(text: object) -> float:
         raise UnitError(f"invalid ratio {quoted(text)} (e.g. {RATIO_EXAMPLES})")
     if not 0.0 <= value <= 1.0:  # NaN fails this too
         raise UnitError(f"invalid ratio {quoted(text)}: must lie between 0 and 100%")
+    return value
+
+
+def parse_fraction_flag(text: object, flag: str, example: str = "1%", off: bool = False,
+                        below_one: bool = False) -> float:
+    """A command-line fraction: ``1%`` or ``0.01`` -> 0.01 (and ``off`` -> 0.0 where ``off``); errors name ``flag``."""
+    from .errors import InputError
+
+    s = str(text).strip().lower()
+    if off and s == "off":
+        return 0.0
+    fraction = f"{float(example.rstrip('%')) / 100:g}"
+    try:
+        value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
+    except ValueError:
+        expected = (f"a percentage like {example}, a fraction like {fraction}, or off" if off
+                    else f"a percentage like {example} or a fraction like {fraction}")
+        raise InputError(f"{flag}: expected {expected}; got {text!r}") from None
+    if not (0.0 <= value < 1.0 if below_one else 0.0 <= value < math.inf):  # NaN fails both
+        limit = "0 (off) or a fraction under 1" if below_one else "0 or more"
+        raise InputError(f"{flag}: must be {limit}, got {text!r}")
     return value
 
 

@@ -193,12 +193,12 @@ def _docker_build(client, ref: str, dockerfile: str, files: dict[str, Path], wor
         shutil.rmtree(ctx, ignore_errors=True)
 
 
-def _add_layer(client, parent: str, ref: str, files: dict[str, Path], changes: Sequence[str], say) -> None:
-    """Image ``ref``: ``parent`` with the host folders ``files`` (image path -> host path) put in, one layer.
+@contextlib.contextmanager
+def _staging(client, parent: str, ref: str, files: dict[str, Path]):
+    """A stopped container of ``parent`` and a running GNU tar of ``files``; both gone on the way out.
 
-    A container's archive upload and a commit: a third of the time ``docker build``'s COPY took for
-    torch's gigabyte here (the build context is written once more, then copied, then committed)."""
-    say(f"adding {', '.join(files)} to {parent} as {ref}")
+    Yields ``(container, tar_chunks, tar_failed)``: the archive's chunks, then a check that says why tar failed
+    (None when it did not)."""
     container = client.containers.create(parent, ["true"], labels={"nbox.build": ref})
     tar = None
     try:
@@ -208,12 +208,13 @@ def _add_layer(client, parent: str, ref: str, files: dict[str, Path], changes: S
             while chunk := tar.stdout.read(1 << 20):
                 yield chunk
 
-        container.put_archive("/", chunks())
-        if tar.wait() != 0:
-            raise RunFailed(f"images build: tar of {', '.join(map(str, files.values()))} failed: "
-                            f"{tar.stderr.read().decode(errors='replace').strip()}")
-        repo, tag = ref.rsplit(":", 1)
-        container.commit(repo, tag, changes=list(changes))
+        def failed() -> str | None:
+            if tar.wait() == 0:
+                return None
+            return (f"images build: tar of {', '.join(map(str, files.values()))} failed: "
+                    f"{tar.stderr.read().decode(errors='replace').strip()}")
+
+        yield container, chunks, failed
     finally:
         # Also on an interrupt: the staging container never outlives the build, nor the tar its reader.
         if tar is not None and tar.poll() is None:
@@ -222,33 +223,37 @@ def _add_layer(client, parent: str, ref: str, files: dict[str, Path], changes: S
         container.remove(force=True)
 
 
+def _add_layer(client, parent: str, ref: str, files: dict[str, Path], changes: Sequence[str], say) -> None:
+    """Image ``ref``: ``parent`` with the host folders ``files`` (image path -> host path) put in, one layer.
+
+    A container's archive upload and a commit: a third of the time ``docker build``'s COPY took for
+    torch's gigabyte here (the build context is written once more, then copied, then committed)."""
+    say(f"adding {', '.join(files)} to {parent} as {ref}")
+    with _staging(client, parent, ref, files) as (container, tar_chunks, tar_failed):
+        container.put_archive("/", tar_chunks())
+        if why := tar_failed():
+            raise RunFailed(why)
+        repo, tag = ref.rsplit(":", 1)
+        container.commit(repo, tag, changes=list(changes))
+
+
 def _import_on(client, parent: str, ref: str, files: dict[str, Path], changes: Sequence[str], say) -> None:
     """Image ``ref``: ``parent``'s files and the host folders ``files`` (image path -> host path), one layer, made by
     one ``docker import`` of the two archives in a row (``parent``'s export without its end, then ours)."""
     say(f"importing {parent} with {', '.join(files)} as {ref}")
-    container = client.containers.create(parent, ["true"], labels={"nbox.build": ref})
-    tar = None
-    try:
-        tar = subprocess.Popen(_tar_command(files), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with _staging(client, parent, ref, files) as (container, tar_chunks, tar_failed):
 
         def chunks():
             yield from _members(container.export(chunk_size=1 << 20))
-            while chunk := tar.stdout.read(1 << 20):
-                yield chunk
+            yield from tar_chunks()
 
         repo, tag = ref.rsplit(":", 1)
         client.api.import_image_from_data(chunks(), repository=repo, tag=tag, changes=list(changes))
-        if tar.wait() != 0:
+        if why := tar_failed():
             # The import took a cut archive: its tag is not what it says.
             with contextlib.suppress(Exception):
                 client.images.remove(ref, force=True)
-            raise RunFailed(f"images build: tar of {', '.join(map(str, files.values()))} failed: "
-                            f"{tar.stderr.read().decode(errors='replace').strip()}")
-    finally:
-        if tar is not None and tar.poll() is None:
-            tar.kill()
-            tar.wait()
-        container.remove(force=True)
+            raise RunFailed(why)
 
 
 def _members(stream):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from ..collectives import Op
 from ..errors import InputError, RunFailed
 from ..model.profile import OpFit, Segment, ring_terms
+from ..units import parse_fraction_flag
 from .fit import fit_piecewise
 from .measure import WorkerPlan
 from .profile import library_info, make_profile
@@ -66,16 +67,7 @@ def parse_size_range(text: str, flag: str = "--sizes") -> tuple[int, int]:
 
 def parse_precision(text: str, flag: str = "--precision") -> float:
     """``2%``, ``0.02`` -> 0.02; ``0`` or ``off`` -> 0.0 (no top-up rounds); errors name the flag."""
-    s = str(text).strip().lower()
-    if s == "off":
-        return 0.0
-    try:
-        value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
-    except ValueError:
-        raise InputError(f"{flag}: expected a percentage like 2%, a fraction like 0.02, or off; got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise InputError(f"{flag}: must be 0 (off) or a fraction under 1, got {text!r}")
-    return value
+    return parse_fraction_flag(text, flag, example="2%", off=True, below_one=True)
 
 
 def _topup(precision: float, budget_s: float) -> dict[str, float]:

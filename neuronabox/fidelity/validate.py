@@ -49,6 +49,7 @@ from typing import Callable, Sequence
 
 from ..emu import start_gate
 from ..errors import InputError, RunFailed
+from ..units import parse_fraction_flag
 from .real_system import (
     RECORD_ONLY_DIR,
     cluster_for,
@@ -81,14 +82,7 @@ MODES = ("model", "wire", AGAIN)
 
 def parse_tolerance(text: str) -> float:
     """``1%`` or ``0.01`` -> 0.01; errors name the flag."""
-    s = str(text).strip()
-    try:
-        value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
-    except ValueError:
-        raise InputError(f"--tolerance: expected a percentage like 1% or a fraction like 0.01, got {text!r}") from None
-    if value < 0 or value != value:
-        raise InputError(f"--tolerance: must be 0 or more, got {text!r}")
-    return value
+    return parse_fraction_flag(text, "--tolerance")
 
 
 def parse_modes(text: str) -> list[str]:
