@@ -185,6 +185,8 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path):
         (["validate", str(topo), "--calibrate-sizes", "4B:1MiB", "--", "python", "x.py"], "--calibrate-sizes: only read"),
         (["validate", str(topo), "--calibrate", "--calibrate-sizes", "1MiB:4B", "--", "python", "x.py"],
          "--calibrate-sizes: expected MIN:MAX"),
+        (["validate", str(topo), "--calibrate-budget", "1s", "--", "python", "x.py"], "--calibrate-budget: only read"),
+        (["validate", str(topo), "--calibrate", "--calibrate-budget", "soon", "--", "python", "x.py"], "--calibrate-budget: "),
         (["validate", str(topo), "--calibrate", "-m", "nccl", "--", "python", "x.py"], "--calibrate: measures a profile"),
         (["validate", str(nccl), "--calibrate", "--", "python", "x.py"], "only a gloo profile"),
         (["calibrate", str(topo), "--sizes", "8MiB:4B"], "--sizes"),

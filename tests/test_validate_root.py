@@ -87,7 +87,8 @@ def test_validate_runs_end_to_end_and_gates_on_the_tolerance(files, tmp_path, to
     # The passing case also calibrates first, on the validation's own cluster, and emulates with that.
     # Its sizes' medians as the sweep's passes leave them (--calibrate-precision off): calibrate's own test tops them up.
     calibrate = (["--calibrate", "--calibrate-ops", "all_reduce", "--calibrate-sizes", "4B:2MiB",
-                  "--calibrate-precision", "off", "--profile", str(prof)] if code == 0 else [])
+                  "--calibrate-precision", "off", "--calibrate-budget", "50ms", "--profile", str(prof)]
+                 if code == 0 else [])
     # The failing case also reruns the real system (real-again), which reads an error and does not gate.
     # It also runs without the load twin (the passing case has it, as by default).
     no_twin = ["--no-twin"] if code == 1 else []

@@ -99,6 +99,8 @@ def validate(
         "largest the job sends is enough (DDP's buckets: 25 MiB by default)."),
     calibrate_precision: str = typer.Option(
         "2%", "--calibrate-precision", help="With --calibrate: nbox calibrate --precision (off: the sweep's passes only)."),
+    calibrate_budget: str = typer.Option(
+        "150ms", "--calibrate-budget", help="With --calibrate: nbox calibrate --budget (measuring time per size)."),
     twin: bool = typer.Option(
         True, "--twin/--no-twin",
         help="Load twin (default on): during each emulated run, every other rank of the real system runs as its own "
@@ -138,6 +140,7 @@ def validate(
     from ..fidelity.calibrate import parse_ops, parse_precision, parse_size_range
     from ..fidelity.validate import parse_modes, parse_tolerance, run_validation
     from ..fidelity.verdict import UNDECIDED, UNDECIDED_WHY, error_table
+    from ..units import UnitError, parse_duration
 
     tol = parse_tolerance(tolerance)
     mode_list = parse_modes(modes)
@@ -147,11 +150,17 @@ def validate(
         raise InputError("--calibrate-sizes: only read with --calibrate")
     if calibrate_precision != "2%" and not calibrate:
         raise InputError("--calibrate-precision: only read with --calibrate")
+    if calibrate_budget != "150ms" and not calibrate:
+        raise InputError("--calibrate-budget: only read with --calibrate")
     if (mesh is not None or role_repeats != 3) and roles is None:
         raise InputError("--mesh and --role-repeats: only read with --roles")
     cal_ops = parse_ops(calibrate_ops, "--calibrate-ops") if calibrate else None
     cal_sizes = parse_size_range(calibrate_sizes, "--calibrate-sizes") if calibrate else None
     cal_precision = parse_precision(calibrate_precision, "--calibrate-precision")
+    try:
+        cal_budget_s = parse_duration(calibrate_budget)
+    except UnitError as exc:
+        raise InputError(f"--calibrate-budget: {exc}") from None
     if not command:
         raise InputError("nbox validate: no command to run (usage: nbox validate TOPOLOGY [OPTIONS] -- python train.py ARGS)")
     if not topology.is_file():
@@ -159,7 +168,7 @@ def validate(
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
                        keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes,
-                       calibrate_precision=cal_precision, real_rank=rank,
+                       calibrate_precision=cal_precision, calibrate_budget_s=cal_budget_s, real_rank=rank,
                        role_profile=role_profile, roles=roles, mesh=mesh, role_repeats=role_repeats,
                        against=against or None)
     rows = error_table(v)

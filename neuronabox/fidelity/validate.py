@@ -232,6 +232,7 @@ def run_validation(
     calibrate_ops: Sequence | None = None,
     calibrate_sizes: tuple[int, int] | None = None,
     calibrate_precision: float = 0.02,
+    calibrate_budget_s: float = 0.15,
     real_rank: int | None = None,
     role_profile: Path | None = None,
     roles: str | None = None,
@@ -244,7 +245,8 @@ def run_validation(
     ``twin``: run the load twin beside every emulated run (see the module's notes); turn it off
     when the real system's ranks do not share one machine. ``calibrate_ops``: first calibrate
     these collectives (at sizes ``calibrate_sizes``, MIN and MAX, else calibrate's default; each
-    size's median to ``calibrate_precision``, 0: the sweep's passes only) on
+    size's median to ``calibrate_precision``, 0: the sweep's passes only; ``calibrate_budget_s`` of
+    measuring a size) on
     the validation's own cluster (``nbox calibrate``'s sweep) and run the
     emulated systems on that profile, written to ``profile`` (else to ``keep_logs``, else dropped).
     ``real_rank``: the emulated runs' real rank, the one the real system records (default the
@@ -333,7 +335,7 @@ def run_validation(
             # On the cluster the runs use, right before them: a profile measured minutes or a
             # cluster instance earlier reads this machine's state then (docs/guide/validate.md).
             profile = _calibrate_here(topo, up.name, calibrate_ops, calibrate_sizes, calibrated_to, keep_logs or tmp, say,
-                                      calibrate_precision)
+                                      calibrate_precision, calibrate_budget_s)
             effective = with_profile(topo, profile, None)
         if roles is not None:
             role_profile = _profile_here(topology_file, topo, command, roles, mesh, role_repeats, model, profile,
@@ -423,14 +425,14 @@ def _run_real(cluster: str, topo, command: Sequence[str], rec: Path, logs: Path,
 
 
 def _calibrate_here(topo, cluster: str, ops: Sequence, sizes: tuple[int, int] | None, out: Path | None, folder: Path,
-                    say, precision: float = 0.02) -> Path:
+                    say, precision: float = 0.02, budget_s: float = 0.15) -> Path:
     """``nbox calibrate``'s network sweep of ``ops`` on ``cluster``; the profile's path (``out``, else in ``folder``)."""
     from .calibrate import DEFAULT_SIZES, default_sizes, parse_size_range, run_calibration
     from .profile import save_profile
 
     say(f"calibrating {', '.join(o.value for o in ops)} on this cluster")
     doc = run_calibration(topo, ops, default_sizes(*(sizes or parse_size_range(DEFAULT_SIZES))), cluster=cluster,
-                          precision=precision, progress=say)
+                          precision=precision, budget_s=budget_s, progress=say)
     path = Path(out if out is not None else folder / "profile.json").resolve()
     save_profile(doc, path)
     say(f"calibrated in {doc['meta']['seconds']:.0f} s: {path}")
