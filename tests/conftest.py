@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,7 +200,9 @@ def pytest_collection_finish(session) -> None:
 
     log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "nbox-test-images-build.log"), "w")  # noqa: SIM115
     pool = ThreadPoolExecutor(1, thread_name_prefix="nbox-images-build")
-    _Engine.build = pool.submit(images.build, client=_Engine.client, progress=lambda m: print(m, file=log, flush=True))
+    t0 = time.monotonic()  # the log's seconds say what a cold build costs (issue 29: at most 3 minutes)
+    _Engine.build = pool.submit(images.build, client=_Engine.client,
+                                progress=lambda m: print(f"{time.monotonic() - t0:6.1f} s  {m}", file=log, flush=True))
     pool.shutdown(wait=False)
 
 
