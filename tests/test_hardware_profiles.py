@@ -223,6 +223,23 @@ def test_hardware_none_keeps_nccls_own_times_and_a_profile_changes_them(tmp_path
         inherited.estimate(Op.ALL_REDUCE, 1 << 30, range(16)).duration)
 
 
+def test_a_tree_across_nodes_loads_the_busiest_node_as_nccls_double_binary_tree_does(tmp_path):
+    # Two NICs of 400 Gb/s a node (100 GB/s), below NVLink's tree share: the NICs bound the tree.
+    # Per extra GiB, a node carries the buffer once with 2 nodes, 1.5 times with 3, twice from 4 on.
+    net = TRUTH.model_dump(exclude_none=True) | {
+        "net_hop_us": dict(LL=5, LL128=8, Simple=14), "channel_GBps": dict(LL=500, LL128=500, Simple=500)}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({"name": "p", "network": net}))
+    extra = ", hardware: p.yaml, algorithm: tree, protocol: Simple"
+    per_gib = {}
+    for nodes in (2, 3, 4, 8):
+        text = H100.format(nodes=nodes, extra=extra).replace("nics_per_node: 8", "nics_per_node: 2")
+        model = create_model(parse_topology(text, str(tmp_path / "t.yaml")), "nccl")
+        d1, d2 = (model.estimate(Op.ALL_REDUCE, k << 30, range(8 * nodes)).duration for k in (1, 2))
+        per_gib[nodes] = d2 - d1
+    assert per_gib[2] == pytest.approx((1 << 30) / (100e9 * TRUTH.efficiency.Simple), rel=1e-6)
+    assert [per_gib[n] / per_gib[2] for n in (3, 4, 8)] == pytest.approx([1.5, 2.0, 2.0], rel=1e-6)
+
+
 def test_shipped_profiles_load_and_are_inherited_by_device_and_fabric():
     shipped = hardware.shipped_profiles()
     assert shipped, "no shipped hardware profiles"

@@ -410,21 +410,22 @@ class NcclModel(CommModel):
         hw_ring = t.intra_hw if t.n_nodes == 1 else HW_NET
         lat = h.launch_us + self._latency(func, a, p, n, t.n_nodes, t.ppn, nsteps, t.intra_hw, hw_ring, t.lat_inter_us,
                                           t.hw_c)
+        # Across nodes NVLS tree and tree move the buffer over NCCL's double binary tree, whose
+        # busiest node carries _tree_load times the buffer on its NICs.
+        tree_net = t.node_net_gbps / _tree_load(t.n_nodes)
         if a in (NVLS, NVLS_TREE):
-            # NVSwitch reduces and multicasts: every rank's NVLink carries the data about once each way;
-            # across nodes (NVLS tree) each node sends and receives the whole buffer once on its NICs.
+            # NVSwitch reduces and multicasts: every rank's NVLink carries the data about once each way.
             algbw = h.nvls_efficiency * t.nvlink_gbps
             if func != _ALL_REDUCE:
                 algbw *= n / (n - 1)
             if a == NVLS_TREE:
-                algbw = min(algbw, h.efficiency.Simple * t.line_gbps)
+                algbw = min(algbw, h.efficiency.Simple * min(t.nvlink_gbps, tree_net))
             return lat, 0.0, 0.0, algbw, 1.0
         threshold = _MAX_THREADS[p] * _THREAD_THRESHOLD[p] * (n if (a == RING and p == LL) else 1)
         if a == TREE:
             # NCCL's tree: a chain inside each node, whose GPU links carry the buffer twice (NCCL's
-            # tuning halves the tree's bandwidth), and across nodes each node sends and receives
-            # the buffer once on its NICs, where a ring sends 2(n-1)/n of it per rank.
-            tree_line = min(0.5 * t.nvlink_gbps, t.line_gbps if t.n_nodes == 1 else t.node_net_gbps)
+            # tuning halves the tree's bandwidth); a ring sends 2(n-1)/n of it per rank instead.
+            tree_line = min(0.5 * t.nvlink_gbps, t.line_gbps if t.n_nodes == 1 else tree_net)
             return lat, threshold, h.channel_GBps.get(p), h.efficiency.get(p) * tree_line, h.tree_efficiency
         mult = 1.0
         if a == PAT:
@@ -669,6 +670,20 @@ class NcclModel(CommModel):
 # (src/include/device.h, comm.h), by protocol index.
 _MAX_THREADS = (512, 640, 512)
 _THREAD_THRESHOLD = (8, 8, 64)
+
+
+def _tree_load(n_nodes: int) -> float:
+    """How many times the buffer the busiest node's NICs carry each way in NCCL's double binary tree."""
+    # Each of the two trees (graph/trees.cc, ncclGetDtree) carries half the buffer, reduced up and
+    # broadcast down, so a node moves half a buffer each way per tree edge it has: 0.5 as a leaf or as
+    # the root (NCCL's root has one child), 1.0 in a chain (a parent and one child), 1.5 as an inner
+    # node with two children. Two nodes: each is the root of one tree and the leaf of the other, 1.0.
+    # Three: both trees are chains (0->2->1, shifted 1->0->2); a node in the middle of one is an end of
+    # the other, 1.5. From four on a node with two children in one tree is a leaf of the other
+    # (mirrored for even counts, shifted for odd), 2.0.
+    if n_nodes <= 2:
+        return 1.0
+    return 1.5 if n_nodes == 3 else 2.0
 
 
 def _nsteps(func: int, n: int) -> int:
