@@ -169,6 +169,13 @@ def test_record_only_mode_records_iterations_and_leaves_gloo_in_place(tmp_path):
     assert summarize(data, 1)["iteration_time"]["count"] == 4
 
 
+def test_record_reports_a_command_killed_by_a_signal_as_a_shell_does(tmp_path):
+    # gloo can abort a rank at teardown (SIGABRT): the status reads 134, not -6 wrapped to 250.
+    r = run_nbox("record", "-o", str(tmp_path / "rec"), "--", sys.executable, "-c", "import os; os.abort()")
+    assert r.returncode == 128 + 6, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines()[-1] == f"nbox record: {sys.executable} was killed by SIGABRT"
+
+
 def test_cli_errors_are_one_line_and_exit_2(tmp_path):
     topo = tmp_path / "t.yaml"
     topo.write_text("cluster: {nodes: 2}\nnetwork: {type: ring, link: {bandwidth: 1Gbps}}\nemulation: {library: gloo}\n")

@@ -173,13 +173,16 @@ def test_validate_against_records_of_a_netns_testbed(files, tmp_path):
             out = tmp_path / f"rec{k}"
             cmd = [sys.executable, "-m", "neuronabox.cli", "record", "-o", str(out), "--", sys.executable, str(script)]
             rc, codes = launch_real("valrec", topo, cmd, record_only=False, log_dir=None)
-            assert rc == 0, codes
+            # gloo can abort a rank at teardown, after its last iteration; the record is written
+            # before teardown (validate takes such a real run as complete: _teardown_abort_only)
+            assert all(c in (0, 128 + 6) for c in codes), codes
             assert sorted(p.name for p in out.glob("rank-*.json")) == ["rank-0.json", "rank-1.json"]
             runs.append(out)
     finally:
         rt.down("valrec")
     recorded = [json.loads((d / "rank-0.json").read_text())["iterations"] for d in runs]
     assert all(len(r) == 8 for r in recorded)
+    assert all(len(json.loads((d / "rank-1.json").read_text())["iterations"]) == 8 for d in runs)
     v = run_validation(topo_file, [sys.executable, str(script)], against=runs, modes=["model"], twin=False,
                        repeats=1, tolerance=10.0)
     assert v.against == [str(p) for p in runs] and len(v.real.runs) == 2 and v.modes[0].error is not None

@@ -201,12 +201,17 @@ def record(
 ) -> None:
     """Run a real job unchanged and record every rank's iterations, for nbox validate --against: nbox record -o DIR -- torchrun ..."""
     from ..fidelity.record import main_note, run_record
+    from ..launcher.exits import describe_exit
 
     rc, files = run_record(command or [], out)
     if files:
         console.print(f"recorded rank(s) {', '.join(p.stem.removeprefix('rank-') for p in files)} in {out}")
     else:
         console.print(f"[yellow]{main_note()}[/yellow]")
+    if rc < 0:
+        # As a shell reports it (128 + the signal); passed on as is, -6 would read as status 250.
+        sys.stderr.write(f"nbox record: {command[0]} {describe_exit(rc)}\n")
+        rc = 128 - rc
     raise typer.Exit(rc)
 
 
