@@ -13,7 +13,9 @@ Source: github.com/aws/aws-ofi-nccl, src/tuner/nccl_ofi_regions.cpp at commit
 ``region_get_coll_info_internal_v3``, ``is_inside_region``, ``extend_region``) and
 include/tuner/nccl_ofi_tuner_region.h (TUNER_MAX_SIZE, TUNER_MAX_RANKS, ``transform_log2``);
 src/tuner/nccl_ofi_tuner.cpp at commit 0e2a0f46b1d935aaeff61448afeec57f918423e0 picks the region
-tuner for "p5.48xlarge"/"p5e.48xlarge". Only what p5/p5e define with 8 ranks a node is kept here:
+tuner for "p5.48xlarge"/"p5e.48xlarge". Older releases (src/tuner/nccl_ofi_regions.c) hold the same p5
+vertices and the same two-node fallback but test them in linear (bytes, ranks) coordinates; at
+power-of-two sizes over 32-256 ranks both geometries give the same picks. Only what p5/p5e define with 8 ranks a node is kept here:
 all-reduce (the plugin has no p5 regions for the other collectives at 8 ranks a node, and its
 1-rank-a-node and 2-ranks-a-node tables are not layouts this model is asked about on p5).
 """
