@@ -211,3 +211,87 @@ def test_ll128_off_over_pcie_unless_named_in_nccl_proto():
                                         "t.yaml"), "nccl")
     est = named.estimate(Op.ALL_REDUCE, 1 << 24, range(4))
     assert (est.algorithm, est.protocol) == ("ring", "LL128")
+
+
+EFA = """
+cluster: {{nodes: {nodes}, ranks_per_node: 8, device: {device}}}
+intra_node: {{fabric: nvlink, bandwidth: 450GB/s, latency: 1us}}
+network: {{type: switch, fabric: {fabric}, nics_per_node: 32, link: {{bandwidth: 100Gbps, latency: 10us}}}}
+emulation: {{model: nccl, nccl_version: "2.28", hardware: none, nccl_tuner: {tuner}, protocol: {proto}}}
+"""
+
+
+def efa_topo(nodes=4, device="H100", fabric="efa", tuner="auto", proto="auto"):
+    text = EFA.format(nodes=nodes, device=device, fabric=fabric, tuner=tuner, proto=proto)
+    return parse_topology(text, "t.yaml")
+
+
+@pytest.mark.parametrize(("ranks", "nbytes", "expected"), [
+    (32, 16 << 20, ("tree", "LL128")),  # below the 36 MiB vertex at 32 ranks
+    (32, 128 << 20, ("ring", "LL128")),
+    (32, 4 << 30, ("ring", "Simple")),
+    (64, 64 << 20, ("tree", "LL128")),
+    (128, 256 << 20, ("tree", "LL128")),
+    (128, 4 << 30, ("nvls_tree", "Simple")),
+    (256, 512 << 20, ("nvls_tree", "Simple")),
+    (64, 2 << 30, ("ring", "LL128")),  # on a vertex of ring/LL128: an edge counts as inside
+])
+def test_aws_ofi_tuner_regions_for_p5(ranks, nbytes, expected):
+    from neuronabox.model import aws_ofi_tuner
+
+    every = {(a, p) for a in range(len(nccl.ALGO_NAMES)) for p in range(3)}
+    algo, proto = aws_ofi_tuner.choose("all_reduce", nbytes, ranks, every)
+    assert (nccl.ALGO_NAMES[algo], nccl.PROTO_NAMES[proto]) == expected
+    # A pair NCCL left disabled is skipped, as the plugin skips an ignored cost-table entry.
+    assert aws_ofi_tuner.choose("all_reduce", nbytes, ranks, every - {(algo, proto)}) != (algo, proto)
+
+
+def test_aws_ofi_tuner_applies_to_p5_layouts_above_two_nodes_only():
+    from neuronabox.model import aws_ofi_tuner
+
+    assert aws_ofi_tuner.applies("H100", 32, 4)
+    assert aws_ofi_tuner.applies("H200", 256, 32)
+    assert not aws_ofi_tuner.applies("H100", 16, 2)  # the plugin falls back to NCCL at <= 2 nodes
+    assert not aws_ofi_tuner.applies("A100", 32, 4)  # p4d: no region tuner
+    assert not aws_ofi_tuner.applies("H100", 16, 4)  # 4 ranks a node: not the 8-a-node table
+    assert aws_ofi_tuner.choose("all_gather", 1 << 30, 32, {(1, 2)}) is None
+
+
+def _argmin(model, op, nbytes, n):
+    tables = model.group_tables(Group.of(range(n)))
+    func = nccl._FUNC_OF_OP[op]
+    best = min(tables.candidates[func], key=lambda c: model._algo_time(tables, func, c, nbytes))
+    return nccl.ALGO_NAMES[best.algo], nccl.PROTO_NAMES[best.proto]
+
+
+def test_efa_p5_all_reduce_takes_the_aws_tuners_pick():
+    model = create_model(efa_topo(nodes=4), "nccl")
+    for nbytes, expected in ((16 << 20, ("tree", "LL128")), (128 << 20, ("ring", "LL128")),
+                             (4 << 30, ("ring", "Simple"))):
+        est = model.estimate(Op.ALL_REDUCE, nbytes, range(32))
+        assert (est.algorithm, est.protocol) == expected
+    # The plugin has no p5 all-gather regions at 8 ranks a node: NCCL's own pick.
+    est = model.estimate(Op.ALL_GATHER, 1 << 30, range(32))
+    assert (est.algorithm, est.protocol) == _argmin(model, Op.ALL_GATHER, 1 << 30, 32)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"nodes": 4, "tuner": "nccl"},  # turned off in the topology
+    {"nodes": 4, "fabric": "ib"},  # auto: only on EFA
+    {"nodes": 2},  # the plugin's own fallback at two nodes
+])
+def test_nccls_own_pick_where_the_aws_tuner_does_not_run(kwargs):
+    model = create_model(efa_topo(**kwargs), "nccl")
+    n = 8 * kwargs["nodes"]
+    for nbytes in (16 << 20, 128 << 20, 4 << 30):
+        est = model.estimate(Op.ALL_REDUCE, nbytes, range(n))
+        assert (est.algorithm, est.protocol) == _argmin(model, Op.ALL_REDUCE, nbytes, n)
+
+
+def test_aws_tuner_forced_on_another_fabric_and_respects_nccl_proto():
+    model = create_model(efa_topo(nodes=4, fabric="ib", tuner="aws-ofi"), "nccl")
+    est = model.estimate(Op.ALL_REDUCE, 128 << 20, range(32))
+    assert (est.algorithm, est.protocol) == ("ring", "LL128")
+    # NCCL_PROTO=Simple leaves LL128 ignored in the cost table: the plugin's LL128 regions are skipped.
+    model = create_model(efa_topo(nodes=4, proto="Simple"), "nccl")
+    assert model.estimate(Op.ALL_REDUCE, 128 << 20, range(32)).protocol == "Simple"

@@ -40,7 +40,7 @@ from ..collectives import Op
 from ..errors import TopologyError
 from ..topology import Topology
 from ..topology.graph import ClusterGraph
-from . import hardware, schedules
+from . import aws_ofi_tuner, hardware, schedules
 from .base import CommModel, Estimate, Group, Step, range_by_node
 
 __all__ = ["NcclModel", "NCCL_RELEASE", "NCCL_SOURCE", "SUPPORTED_RELEASES"]
@@ -243,11 +243,12 @@ class _GroupTables:
     """Everything NCCL derives at communicator creation, for one group."""
 
     __slots__ = ("candidates", "p2p", "n_ranks", "n_nodes", "n_channels", "min_cc", "ring_order", "node_ranks",
-                 "hw", "hw_c", "line_gbps", "nvlink_gbps", "hw_lat", "ppn", "intra_hw", "lat_inter_us", "node_net_gbps")
+                 "hw", "hw_c", "line_gbps", "nvlink_gbps", "hw_lat", "ppn", "intra_hw", "lat_inter_us", "node_net_gbps",
+                 "tuned")
 
     def __init__(self, candidates, p2p, n_ranks, n_nodes, n_channels, min_cc, ring_order, node_ranks, hw=None,
                  hw_c=None, line_gbps=math.inf, nvlink_gbps=math.inf, ppn=1.0, intra_hw=HW_NVLINK, lat_inter_us=0.0,
-                 node_net_gbps=math.inf):
+                 node_net_gbps=math.inf, tuned=None):
         self.candidates: dict[int, tuple[_Candidate, ...]] = candidates
         self.p2p: _P2P = p2p
         self.n_ranks = n_ranks
@@ -261,6 +262,8 @@ class _GroupTables:
         self.line_gbps = line_gbps  # the bottleneck link's line rate, GB/s per rank (NVLink/PCIe, or the NICs)
         self.nvlink_gbps = nvlink_gbps
         self.hw_lat: dict[tuple[int, int, int], tuple] = {}  # (func, algo, proto) -> _hw_terms, filled on use
+        # The AWS tuner plugin's picks, bytes -> candidate or None (NCCL's own), filled on use; None: no plugin.
+        self.tuned: dict[int, _Candidate | None] | None = tuned
         self.ppn = ppn
         self.intra_hw = intra_hw
         self.lat_inter_us = lat_inter_us
@@ -349,15 +352,43 @@ class NcclModel(CommModel):
         # machines, so its picks follow them where the two agree; where the profile shows its
         # guess far off, keeping its pick would make a larger size faster than a smaller one).
         timer = self._hw_time if tables.hw is not None else self._algo_time
-        for cand in tables.candidates[func]:
-            us = timer(tables, func, cand, nbytes)
-            if us < best_us:
-                best_us, best = us, cand
+        # On AWS p5/p5e the aws-ofi-nccl tuner plugin forces its own pick by (bytes, ranks) region.
+        tuned = tables.tuned
+        if tuned is not None and func == _ALL_REDUCE:
+            best = tuned.get(nbytes, False)
+            if best is False:
+                best = self._plugin_pick(tables, func, nbytes)
+        if best is not None:
+            best_us = timer(tables, func, best, nbytes)
+        else:
+            for cand in tables.candidates[func]:
+                us = timer(tables, func, cand, nbytes)
+                if us < best_us:
+                    best_us, best = us, cand
         seconds = best_us * 1e-6
         builder = functools.partial(
             _collective_steps, func, best.algo, nbytes, tables, group.ranks[root], seconds, best.lat_us * 1e-6
         )
         return Estimate(seconds, ALGO_NAMES[best.algo], PROTO_NAMES[best.proto], builder)
+
+    def _plugin_pick(self, t: _GroupTables, func: int, nbytes: int) -> _Candidate | None:
+        """The candidate the aws-ofi-nccl tuner forces for ``nbytes`` (None: NCCL's own argmin), cached per size."""
+        cands = t.candidates[func]
+        pick = aws_ofi_tuner.choose("all_reduce", nbytes, t.n_ranks, {(c.algo, c.proto) for c in cands})
+        best = next((c for c in cands if (c.algo, c.proto) == pick), None) if pick else None
+        if len(t.tuned) > 4096:  # many distinct sizes (a sweep): keep the cache bounded
+            t.tuned.clear()
+        t.tuned[nbytes] = best
+        return best
+
+    def _tuner_plugin(self, device: str, n_ranks: int, n_nodes: int) -> bool:
+        """Whether NCCL runs with the aws-ofi-nccl tuner for this communicator (emulation.nccl_tuner)."""
+        mode = self.topology.emulation.nccl_tuner
+        if mode == "nccl":
+            return False
+        if mode == "auto" and self.topology.network.fabric != "efa":
+            return False
+        return aws_ofi_tuner.applies(device, n_ranks, n_nodes)
 
     def _algo_time(self, t: _GroupTables, func: int, cand: _Candidate, nbytes: int) -> float:
         """ncclTopoGetAlgoTime with numPipeOps = 1, in µs."""
@@ -508,7 +539,8 @@ class NcclModel(CommModel):
         node_net_gbps = nic_gbps * min(nd.nics for nd in nodes) if n_nodes > 1 else math.inf
         line_gbps = min(intra_gbps, node_net_gbps)
         return _GroupTables(candidates, p2p, n_ranks, n_nodes, ring_graph.n_channels, min_cc, ring_order, node_ranks,
-                            hw, hw_c, line_gbps, intra_gbps, ppn, intra_hw, lat_inter_s * 1e6, node_net_gbps)
+                            hw, hw_c, line_gbps, intra_gbps, ppn, intra_hw, lat_inter_s * 1e6, node_net_gbps,
+                            {} if self._tuner_plugin(nodes[0].device, n_ranks, n_nodes) else None)
 
     def _speeds(self, min_cc: int, inter: bool) -> tuple[float, ...]:
         c = self.c

@@ -224,6 +224,11 @@ class Emulation(_Strict):
     protocol: Literal["auto", "LL", "LL128", "Simple"] = "auto"
     model: str = Field("alpha-beta", description="delay model: alpha-beta, nccl, flow, or a plugin's name")
     nccl_version: str = Field("2.28", description="NCCL release whose tuning constants the nccl model uses")
+    nccl_tuner: Literal["auto", "nccl", "aws-ofi"] = Field(
+        "auto",
+        description="who picks the nccl model's algorithm/protocol: nccl (NCCL's own tuning), aws-ofi (the "
+        "aws-ofi-nccl plugin's p5/p5e region tuner, where it applies), auto (aws-ofi when network.fabric is efa)",
+    )
     hardware: str | None = Field(
         None,
         description="hardware profile that times the nccl model's choices: a shipped profile's name, a file (relative "
