@@ -353,11 +353,8 @@ class NcclModel(CommModel):
         # guess far off, keeping its pick would make a larger size faster than a smaller one).
         timer = self._hw_time if tables.hw is not None else self._algo_time
         # On AWS p5/p5e the aws-ofi-nccl tuner plugin forces its own pick by (bytes, ranks) region.
-        tuned = tables.tuned
-        if tuned is not None and func == _ALL_REDUCE:
-            best = tuned.get(nbytes, False)
-            if best is False:
-                best = self._plugin_pick(tables, func, nbytes)
+        if tables.tuned is not None and func == _ALL_REDUCE:
+            best = self._plugin_pick(tables, func, nbytes)
         if best is not None:
             best_us = timer(tables, func, best, nbytes)
         else:
@@ -373,6 +370,8 @@ class NcclModel(CommModel):
 
     def _plugin_pick(self, t: _GroupTables, func: int, nbytes: int) -> _Candidate | None:
         """The candidate the aws-ofi-nccl tuner forces for ``nbytes`` (None: NCCL's own argmin), cached per size."""
+        if nbytes in t.tuned:
+            return t.tuned[nbytes]
         cands = t.candidates[func]
         pick = aws_ofi_tuner.choose("all_reduce", nbytes, t.n_ranks, {(c.algo, c.proto) for c in cands})
         best = next((c for c in cands if (c.algo, c.proto) == pick), None) if pick else None
