@@ -130,20 +130,29 @@ def analyse(topo, profiles: list[dict], ops: dict[str, list], draws: int, rng: r
     return doc, lines
 
 
-def calibrate_all(mbit: int, count: int, folder: Path, t0: float) -> tuple[Path, list[dict], list[Path]]:
-    """``count`` calibrations of a fresh 2-node cluster at ``mbit`` Mbit/s; the topology file, the profiles and their files."""
+def calibrate_all(mbit: int, count: int, folder: Path, t0: float, one_cluster: bool) -> tuple[Path, list[dict], list[Path]]:
+    """``count`` calibrations at ``mbit`` Mbit/s, of one 2-node cluster (else each of its own); the topology file, the profiles and their files."""
+    from neuronabox.cluster import runtime as rt
+
     topo_file = folder / f"rep{mbit}.yaml"
     topo_file.write_text(TOPO.format(mbit=mbit))
     topo = load_topology(topo_file)
     profiles, paths = [], []
-    for k in range(count):
-        doc_k = run_calibration(topo, [Op.ALL_REDUCE, Op.BROADCAST], default_sizes(4, 8 << 20, 2.0))
-        path = folder / f"rep{mbit}-{k}.profile.json"
-        save_profile(doc_k, path)
-        profiles.append(json.loads(path.read_text()))
-        paths.append(path)
-        print(f"{mbit} Mbit/s: calibration {k + 1} done ({time.time() - t0:.0f} s, "
-              f"this one {doc_k['meta']['seconds']:.0f} s)", flush=True)
+    name = f"crep{mbit}" if one_cluster else None
+    if name:
+        rt.up(topo, runtime="netns", name=name)
+    try:
+        for k in range(count):
+            doc_k = run_calibration(topo, [Op.ALL_REDUCE, Op.BROADCAST], default_sizes(4, 8 << 20, 2.0), cluster=name)
+            path = folder / f"rep{mbit}-{k}.profile.json"
+            save_profile(doc_k, path)
+            profiles.append(json.loads(path.read_text()))
+            paths.append(path)
+            print(f"{mbit} Mbit/s: calibration {k + 1} done ({time.time() - t0:.0f} s, "
+                  f"this one {doc_k['meta']['seconds']:.0f} s)", flush=True)
+    finally:
+        if name:
+            rt.down(name)
     return topo_file, profiles, paths
 
 
@@ -154,18 +163,25 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=100, help="bootstrap draws per calibration")
     ap.add_argument("--from", dest="source", type=Path, help="re-analyse the profiles a results JSON holds (no root)")
     ap.add_argument("--out", default="calibration_repeat", help="results file name under benchmarks/results/")
+    ap.add_argument("--cluster-each", action="store_true",
+                    help="each calibration on a cluster of its own (default: all of a rate's on one cluster, as nbox "
+                         "validate --calibrate calibrates the cluster its runs use)")
+    ap.add_argument("--note", default="Measured on the shared 2-core VM while other engineers' sessions ran: the "
+                                      "between-calibration spread includes their load.",
+                    help="how busy the machine was, for the record")
     args = ap.parse_args()
     t0 = time.time()
     rng = random.Random(20261203)  # the resampling is the same on every run of the same profiles
     old = json.loads(args.source.read_text()) if args.source else None
     cmd = (f".venv/bin/python benchmarks/calibration_repeat.py --from {args.source} --out {args.out}" if old else
            f"sudo .venv/bin/python benchmarks/calibration_repeat.py --calibrations {args.calibrations} "
-           f"--rates {args.rates} --draws {args.draws} --out {args.out}")
+           f"--rates {args.rates} --draws {args.draws} --out {args.out}" + (" --cluster-each" if args.cluster_each else ""))
     doc: dict = {"command": cmd, "rates": {}}
     lines = ["# Calibration repeatability", "", f"`{cmd}`", "",
-             "Measured on the shared 2-core VM while other engineers' sessions ran: the between-calibration spread "
-             "includes their load. The bootstrap and halves columns come from each profile's own samples and do "
-             "not. Per rate and workload: the modeled communication of one steady iteration (the sum of its "
+             args.note + (" Each calibration on a fresh cluster of its own." if args.cluster_each else
+                          " A rate's calibrations on one cluster, one after the other.") +
+             " The bootstrap and halves columns come from each profile's own samples and do "
+             "not depend on the host's load. Per rate and workload: the modeled communication of one steady iteration (the sum of its "
              "collectives' modeled times) under each calibration's profile, with each size's time its samples' "
              "median (`median`, as calibrations before `settle_times` had it) and settled by its neighbours "
              "(`settled`, what `nbox calibrate` writes now); spread: (max-min)/median.", ""]
@@ -180,7 +196,7 @@ def main() -> None:
                 topo_file.write_text(TOPO.format(mbit=mbit))
                 ops = {arch: [tuple(x) for x in w["ops"]] for arch, w in rd["workloads"].items()}
             else:
-                topo_file, profiles, paths = calibrate_all(mbit, args.calibrations, folder, t0)
+                topo_file, profiles, paths = calibrate_all(mbit, args.calibrations, folder, t0, not args.cluster_each)
                 ops = {arch: workload_ops(topo_file, paths[0], arch, folder) for arch in ARCHS}
             topo = load_topology(topo_file)
             rate_doc, rate_lines = analyse(topo, profiles, ops, args.draws, rng)

@@ -101,8 +101,14 @@ def test_precision_sets_the_top_up_rounds_and_off_has_none():
     assert parse_precision("2%") == pytest.approx(0.02) and parse_precision("0.05") == pytest.approx(0.05)
     assert parse_precision("off") == parse_precision("0") == 0.0
     on, off = _topup(0.02, 0.15), _topup(0.0, 0.15)
-    assert on == {"ci_target": 0.02, "topup_s": pytest.approx(1.5), "topup_total_s": pytest.approx(60.0)}
-    assert off["topup_s"] == off["topup_total_s"] == 0.0
+    assert on == {"ci_target": 0.02, "topup_s": pytest.approx(1.5), "topup_total_s": pytest.approx(60.0),
+                  "bucket_ci_target": 0.005, "bucket_topup_s": pytest.approx(6.0),
+                  "bucket_min_samples": 24, "bucket_max_samples": 80}
+    assert off["topup_s"] == off["topup_total_s"] == off["bucket_topup_s"] == 0.0
+    # --bucket-precision off: DDP's bucket sizes as the others; a --precision tighter than it wins there.
+    same = _topup(0.02, 0.15, bucket_precision=0.0)
+    assert same["bucket_ci_target"] == 0.02 and same["bucket_topup_s"] == pytest.approx(1.5)
+    assert _topup(0.001, 0.15)["bucket_ci_target"] == 0.001
     for bad in ("2x", "150%", "-1%", "nan"):
         with pytest.raises(InputError, match="--precision"):
             parse_precision(bad)

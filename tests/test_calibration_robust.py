@@ -133,5 +133,19 @@ def test_top_up_samples_uncertain_sizes_only_and_within_its_budgets():
         _top_up(WorkerPlan(["all_reduce"], [1024], max_samples=40, topup_total_s=1e-12), {"all_reduce": [again]},
                 0, 1, None, lambda: None, decide)
         assert len(again["samples"]) == 8
+        # From bucket_min up (DDP's buckets) a row is sampled to the tighter target, up to its own cap.
+        noisy = [1e-5, 1.008e-5, 0.992e-5, 1.004e-5, 1.006e-5, 0.996e-5]  # within +-0.8 %: known at 2 %, not 0.5 %
+        small = {"size": 1024, "time_s": 1e-5, "k": 2, "per_pass": 2, "rounds": 3, "samples": list(noisy)}
+        big = {"size": 1 << 20, "time_s": 1e-5, "k": 2, "per_pass": 2, "rounds": 3, "samples": list(noisy)}
+        plan = WorkerPlan(["all_reduce"], [1024, 1 << 20], ci_target=0.02, bucket_ci_target=0.005,
+                          bucket_max_samples=12, topup_s=10.0, bucket_topup_s=10.0)
+        _top_up(plan, {"all_reduce": [small, big]}, 0, 1, None, lambda: None, decide)
+        assert len(small["samples"]) == 6
+        assert 6 < len(big["samples"]) <= 12 + 2 - 1
+        # ... and there a narrow interval from few samples does not stop it before bucket_min_samples.
+        tight = {"size": 1 << 20, "time_s": 1e-5, "k": 2, "per_pass": 2, "rounds": 3, "samples": [1e-5] * 6}
+        plan = WorkerPlan(["all_reduce"], [1 << 20], bucket_min_samples=10, bucket_topup_s=10.0)
+        _top_up(plan, {"all_reduce": [tight]}, 0, 1, None, lambda: None, decide)
+        assert len(tight["samples"]) >= 10
     finally:
         dist.destroy_process_group()

@@ -227,6 +227,8 @@ def calibrate(
                                "median is still uncertain get up to 10 budgets more, 400 in all."),
     precision: str = typer.Option("2%", "--precision", help="Sample a size until its median is known within this "
                                   "(95 % interval), within the budgets; off: the sweep's three passes only."),
+    bucket_precision: str = typer.Option("0.5%", "--bucket-precision", help="The same from 256 KiB up, where DDP's "
+                                         "buckets are (up to 40 budgets and 80 samples a size); off: --precision there too."),
     write_topology: bool = typer.Option(
         False, "--write-topology", help="Set emulation.profile in the topology file to the new profile (other lines kept)."),
     part: str = typer.Option(
@@ -262,6 +264,7 @@ def calibrate(
     lo, hi = parse_size_range(sizes)
     op_list = parse_ops(ops)
     ci = parse_precision(precision)
+    bucket_ci = parse_precision(bucket_precision, "--bucket-precision")
     try:
         max_op_s, budget_s = parse_duration(max_op_time), parse_duration(budget)
     except UnitError as exc:
@@ -275,7 +278,7 @@ def calibrate(
     intra = None
     if part in ("network", "all"):
         doc = run_calibration(topo, op_list, sizes_list, max_op_s=max_op_s, budget_s=budget_s, precision=ci,
-                              progress=say)
+                              bucket_precision=bucket_ci, progress=say)
     elif out.exists():
         doc = json.loads(out.read_text(encoding="utf-8"))  # the network part measured before: kept
         load_profile(out)  # a clear error for a file that is no profile
@@ -285,7 +288,7 @@ def calibrate(
         say("intra-node: one rank per node, nothing to measure")
     elif part in ("intra-node", "all"):
         intra = doc["intra_node"] = run_intra_node(topo, op_list, sizes_list, max_op_s=max_op_s, budget_s=budget_s, precision=ci,
-                                                   progress=say)
+                                                   bucket_precision=bucket_ci, progress=say)
     save_profile(doc, out)
     if part != "intra-node":
         console.print(_fit_table(f"nbox calibrate: {topo.name} ({topology}), {doc['ranks']} ranks, "

@@ -70,11 +70,20 @@ def parse_precision(text: str, flag: str = "--precision") -> float:
     return parse_fraction_flag(text, flag, example="2%", off=True, below_one=True)
 
 
-def _topup(precision: float, budget_s: float) -> dict[str, float]:
-    """The WorkerPlan fields of the top-up rounds: 10 budgets a size, 400 in all; none at precision 0."""
+BUCKET_PRECISION = 0.005  # nbox calibrate --bucket-precision: sizes from 256 KiB up (WorkerPlan.bucket_min)
+
+
+def _topup(precision: float, budget_s: float, bucket_precision: float = BUCKET_PRECISION) -> dict[str, float]:
+    """The WorkerPlan fields of the top-up rounds: 10 budgets a size (40 from DDP's bucket sizes up), 400 in all; none at precision 0."""
     if precision <= 0.0:
-        return {"ci_target": 0.0, "topup_s": 0.0, "topup_total_s": 0.0}
-    return {"ci_target": precision, "topup_s": 10 * budget_s, "topup_total_s": 400 * budget_s}
+        return {"ci_target": 0.0, "topup_s": 0.0, "topup_total_s": 0.0, "bucket_ci_target": 0.0, "bucket_topup_s": 0.0}
+    if bucket_precision <= 0.0:  # off: those sizes as the others
+        return {"ci_target": precision, "topup_s": 10 * budget_s, "topup_total_s": 400 * budget_s,
+                "bucket_ci_target": precision, "bucket_topup_s": 10 * budget_s, "bucket_min_samples": 0,
+                "bucket_max_samples": WorkerPlan.max_samples}
+    return {"ci_target": precision, "topup_s": 10 * budget_s, "topup_total_s": 400 * budget_s,
+            "bucket_ci_target": min(precision, bucket_precision), "bucket_topup_s": 40 * budget_s,
+            "bucket_min_samples": WorkerPlan.bucket_min_samples, "bucket_max_samples": WorkerPlan.bucket_max_samples}
 
 
 def parse_ops(text: str, flag: str = "--ops") -> list[Op]:
@@ -134,6 +143,7 @@ def run_calibration(
     max_op_s: float = 0.5,
     budget_s: float = 0.15,
     precision: float = 0.02,
+    bucket_precision: float = BUCKET_PRECISION,
     cluster: str | None = None,
     progress: Callable[[str], None] | None = None,
     timeout: float = 900.0,
@@ -154,10 +164,11 @@ def run_calibration(
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
         # The stall measurement takes the sweep's care: 100 of its per-size budgets, 5-60 s.
-        # The top-up rounds (WorkerPlan.ci_target, --precision) too: 10 budgets a size, 400 in all (1.5 and 60 s by default).
+        # The top-up rounds (WorkerPlan.ci_target, --precision, --bucket-precision) too: 10 budgets a size,
+        # 40 from 256 KiB up, 400 in all (1.5, 6 and 60 s by default).
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
                           out=str(Path(tmp) / "measured.json"), stall_budget_s=min(60.0, max(5.0, 100 * budget_s)),
-                          backend=backend, device=device, **_topup(precision, budget_s))
+                          backend=backend, device=device, **_topup(precision, budget_s, bucket_precision))
         if backend != "gloo":  # the host-coupling figures are a CPU library's
             plan.busy_repeats = plan.pair_repeats = plan.stall_repeats = 0
         worker = _worker_command(plan, Path(tmp))
@@ -186,6 +197,7 @@ def run_intra_node(
     max_op_s: float = 0.5,
     budget_s: float = 0.15,
     precision: float = 0.02,
+    bucket_precision: float = BUCKET_PRECISION,
     progress: Callable[[str], None] | None = None,
     timeout: float = 900.0,
 ) -> dict[str, Any]:
@@ -210,7 +222,7 @@ def run_intra_node(
     with tempfile.TemporaryDirectory(prefix="nbox-calibrate-") as tmp:
         plan = WorkerPlan([o.value for o in ops], list(sizes), budget_s=budget_s, max_op_s=max_op_s,
                           out=str(Path(tmp) / "measured.json"), backend=backend, device=device,
-                          **_topup(precision, budget_s),
+                          **_topup(precision, budget_s, bucket_precision),
                           busy_repeats=0, pair_repeats=0, stall_repeats=0)
         worker = _worker_command(plan, Path(tmp))
         say(f"measuring {len(ops)} ops x up to {len(sizes)} sizes among {n} ranks of one {node.device} node "

@@ -75,6 +75,23 @@ class WorkerPlan:
     ci_target: float = 0.02
     topup_s: float = 1.0  # nbox calibrate: 10 budgets
     topup_total_s: float = 45.0  # nbox calibrate: 400 budgets
+    # Sizes from bucket_min up, where DDP's and FSDP's buckets lie, are topped up to a tighter
+    # interval, by a sample count more than a time: at 100 Mbit/s a 2 MiB all-reduce sample takes
+    # 180-280 ms, so 10 budgets bought 8-15 samples, and its median moved 2.4 % between five
+    # calibrations of one cluster (4 MiB: 6.4 %) while 32 KiB-1 MiB held within 0.2-1.5 %.
+    # With 40 budgets a size (at most 80 samples) one calibration's own bootstrap sd of the
+    # workloads' modeled communication fell 0.24-1.8 % -> 0.17-0.6 %, and five calibrations of one
+    # cluster read them 0.32-0.98 % apart (benchmarks/results/calibration_repeat_one_cluster.md).
+    # And at least bucket_min_samples there before a narrow interval may stop them: with 8-11
+    # samples a 1 MiB all-reduce's interval happened to be within +-0.5 % and stopped it in one
+    # calibration of five at each rate, its median then the lowest of the five (0.3-0.5 % below
+    # the others'): a few samples that happen to agree are more often all from the floor than
+    # from the tail a shared host adds, so stopping on them is biased.
+    bucket_min: int = 256 << 10
+    bucket_ci_target: float = 0.005
+    bucket_min_samples: int = 24
+    bucket_max_samples: int = 80
+    bucket_topup_s: float = 4.0  # nbox calibrate: 40 budgets
     stall_repeats: int = 32  # samples per (size, gap) of the op-after-compute measurement (0: skip it)
     stall_groups: int = 4  # spread over this many fresh process groups
     stall_gaps_s: tuple[float, ...] = (0.002, 0.006, 0.02)  # the compute before each of its ops
@@ -199,17 +216,25 @@ def _worker(plan_path: str) -> None:
 
 
 def _top_up(plan: WorkerPlan, results: dict[str, list[dict]], rank: int, n: int, device, sync, decide) -> None:
-    """Rounds over the sweep's rows whose median is uncertain (``WorkerPlan.ci_target``), ``per_pass`` samples each, within the top-up budgets.
+    """Rounds over the sweep's rows whose median is uncertain (``WorkerPlan.ci_target``; ``bucket_ci_target`` from ``bucket_min`` up), ``per_pass`` samples each, within the top-up budgets.
 
     Every decision reads the agreed samples only (the slowest rank's, the same on every rank),
     so all ranks run the same ops; the time spent is counted from them too, not from a clock.
     """
     spent: dict[int, float] = {}
     total = 0.0
+
+    def wanted(row: dict) -> bool:
+        bucket = row["size"] >= plan.bucket_min
+        least, most, target, allowed = (
+            (plan.bucket_min_samples, plan.bucket_max_samples, plan.bucket_ci_target, plan.bucket_topup_s) if bucket
+            else (0, plan.max_samples, plan.ci_target, plan.topup_s))
+        uncertain = len(row["samples"]) < least or median_halfwidth(row["samples"]) > target
+        return (len(row["samples"]) < most and uncertain
+                and spent.get(id(row), 0.0) + row["time_s"] * row["k"] * row["per_pass"] <= allowed)
+
     while True:
-        todo = [(op_name, row) for op_name, rows in results.items() for row in rows
-                if len(row["samples"]) < plan.max_samples and median_halfwidth(row["samples"]) > plan.ci_target
-                and spent.get(id(row), 0.0) + row["time_s"] * row["k"] * row["per_pass"] <= plan.topup_s]
+        todo = [(op_name, row) for op_name, rows in results.items() for row in rows if wanted(row)]
         # The widest interval in seconds first: if the total runs out, what is left uncertain costs
         # the least time (on a loaded host a 4 B op's interval stayed at +-10-70 % after 40 samples).
         todo.sort(key=lambda item: -median_halfwidth(item[1]["samples"]) * item[1]["time_s"])
