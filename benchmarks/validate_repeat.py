@@ -32,7 +32,7 @@ TOPO = """name: vrep{mbit}
 description: 2 CPU nodes, one rank each, one {mbit} Mbit/s link, 100 us one-way latency
 cluster: {{nodes: 2, ranks_per_node: 1, device: cpu}}
 network: {{type: ring, link: {{bandwidth: {mbit}Mbps, latency: 100us}}}}
-emulation: {{library: gloo, real_ranks: [0], model: calibrated}}
+emulation: {{library: gloo, real_ranks: [0]}}
 """
 MODEL_TOLERANCE = 0.01
 AGAIN_FLOOR = 0.005
