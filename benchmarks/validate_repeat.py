@@ -68,11 +68,13 @@ def cell(doc: dict) -> dict:
             "real_median_s": doc["real"]["median_s"], "held": held, "seconds": doc.get("seconds_all")}
 
 
+def pct(x) -> str:
+    """A signed percentage, ``-`` for a mode that gave no error."""
+    return "-" if x is None else f"{x:+.2%}"
+
+
 def render(doc: dict) -> str:
     """The Markdown table: one row per validation, every repeat kept."""
-    def pct(x) -> str:
-        return "-" if x is None else f"{x:+.2%}"
-
     lines = ["# Repeated validations, a fresh calibration each", "", f"`{doc['command']}`", "", doc.get("note", ""), "",
              "Each row: one `nbox validate --calibrate --modes model,wire,real-again` run on its own cluster with its "
              f"own calibration. Must hold: model error within {MODEL_TOLERANCE:.0%} wherever real-again's own error is "
@@ -119,7 +121,7 @@ def main() -> None:
                     v = one(topo_file, arch, args.repeats, args.steps, args.warmup, Path(tmp) / f"{mbit}-{arch}-{run}.json")
                     c = cell(v)
                     doc["rows"].append({"mbit": mbit, "arch": arch, "run": run, "cell": c, "validation": v})
-                    print(f"{mbit} Mbit/s {arch} run {run}: model {c['model']:+.2%}, real-again {c['real-again']:+.2%}, "
+                    print(f"{mbit} Mbit/s {arch} run {run}: model {pct(c['model'])}, real-again {pct(c['real-again'])}, "
                           f"spread {c['real_spread'] or 0:.2%} ({c['seconds']:.0f} s; {time.time() - t0:.0f} s in all)",
                           flush=True)
                     doc["seconds"] = time.time() - t0

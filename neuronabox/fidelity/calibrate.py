@@ -70,20 +70,19 @@ def parse_precision(text: str, flag: str = "--precision") -> float:
     return parse_fraction_flag(text, flag, example="2%", off=True, below_one=True)
 
 
-BUCKET_PRECISION = 0.005  # nbox calibrate --bucket-precision: sizes from 256 KiB up (WorkerPlan.bucket_min)
+BUCKET_PRECISION = WorkerPlan.bucket_ci_target  # nbox calibrate --bucket-precision: sizes from 256 KiB up (WorkerPlan.bucket_min)
 
 
 def _topup(precision: float, budget_s: float, bucket_precision: float = BUCKET_PRECISION) -> dict[str, float]:
     """The WorkerPlan fields of the top-up rounds: 10 budgets a size (40 from DDP's bucket sizes up), 400 in all; none at precision 0."""
     if precision <= 0.0:
         return {"ci_target": 0.0, "topup_s": 0.0, "topup_total_s": 0.0, "bucket_ci_target": 0.0, "bucket_topup_s": 0.0}
-    if bucket_precision <= 0.0:  # off: those sizes as the others
-        return {"ci_target": precision, "topup_s": 10 * budget_s, "topup_total_s": 400 * budget_s,
-                "bucket_ci_target": precision, "bucket_topup_s": 10 * budget_s, "bucket_min_samples": 0,
-                "bucket_max_samples": WorkerPlan.max_samples}
+    on = bucket_precision > 0.0  # off: those sizes as the others
     return {"ci_target": precision, "topup_s": 10 * budget_s, "topup_total_s": 400 * budget_s,
-            "bucket_ci_target": min(precision, bucket_precision), "bucket_topup_s": 40 * budget_s,
-            "bucket_min_samples": WorkerPlan.bucket_min_samples, "bucket_max_samples": WorkerPlan.bucket_max_samples}
+            "bucket_ci_target": min(precision, bucket_precision) if on else precision,
+            "bucket_topup_s": (40 if on else 10) * budget_s,
+            "bucket_min_samples": WorkerPlan.bucket_min_samples if on else 0,
+            "bucket_max_samples": WorkerPlan.bucket_max_samples if on else WorkerPlan.max_samples}
 
 
 def parse_ops(text: str, flag: str = "--ops") -> list[Op]:

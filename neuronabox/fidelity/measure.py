@@ -78,7 +78,7 @@ class WorkerPlan:
     # Sizes from bucket_min up, where DDP's and FSDP's buckets lie, are topped up to a tighter
     # interval, by a sample count more than a time: at 100 Mbit/s a 2 MiB all-reduce sample takes
     # 180-280 ms, so 10 budgets bought 8-15 samples, and its median moved 2.4 % between five
-    # calibrations of one cluster (4 MiB: 6.4 %) while 32 KiB-1 MiB held within 0.2-1.5 %.
+    # calibrations, each on its own cluster (4 MiB: 6.4 %) while 32 KiB-1 MiB held within 0.2-1.5 %.
     # With 40 budgets a size (at most 80 samples) one calibration's own bootstrap sd of the
     # workloads' modeled communication fell 0.24-1.8 % -> 0.17-0.6 %, and five calibrations of one
     # cluster read them 0.32-0.98 % apart (benchmarks/results/calibration_repeat_one_cluster.md).
