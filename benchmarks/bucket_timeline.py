@@ -41,7 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity_table import NETWORKS, TOPOLOGY, calibrate  # noqa: E402  (the table's clusters and calibration)
+from fidelity_table import NETWORKS as TABLE_NETWORKS, TOPOLOGY, calibrate  # noqa: E402  (the table's clusters and calibration)
+
+# The table's networks and validate_repeat.py's (300 Mbit/s, 100 us), where model mode read 3-7 % fast.
+NETWORKS = {**TABLE_NETWORKS, "300Mbit-100us": ("300Mbps", "100us")}
 
 
 def phases(log: dict, warmup: int) -> dict[str, float]:
@@ -68,6 +71,8 @@ def workload_args(p: argparse.ArgumentParser, network: str) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each system")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-peer-noise", dest="peer_noise", action="store_false",
+                   help="the topology without peer noise (as validate_repeat.py's)")
 
 
 def parse_workload_args(p: argparse.ArgumentParser, prog: str) -> argparse.Namespace | None:
@@ -81,7 +86,7 @@ def parse_workload_args(p: argparse.ArgumentParser, prog: str) -> argparse.Names
 
 
 @contextlib.contextmanager
-def workload_cluster(network: str, short: str):
+def workload_cluster(network: str, short: str, peer_noise: bool = True):
     """A 2-node netns cluster of the table's kind and a scratch folder: (folder, topology file, topology, name)."""
     from neuronabox.cluster import runtime as rt
     from neuronabox.topology import load_topology
@@ -91,7 +96,7 @@ def workload_cluster(network: str, short: str):
         tmpd = Path(tmp)
         os.environ.setdefault("NBOX_STATE_DIR", str(tmpd / "state"))
         topo_file = tmpd / "topology.yaml"
-        topo_file.write_text(TOPOLOGY.format(key=network.lower(), bw=bw, lat=lat, noise="true"))
+        topo_file.write_text(TOPOLOGY.format(key=network.lower(), bw=bw, lat=lat, noise=str(peer_noise).lower()))
         topo = load_topology(topo_file)
         name = f"{short}{os.getpid() % 10000}"
         up = rt.up(topo, runtime="netns", name=name)
@@ -137,6 +142,7 @@ def main() -> int:
     p.add_argument("--env", action="append", default=[], metavar="[MODE:]NAME=VALUE",
                    help="also run model mode (or MODE) with this environment variable set (repeatable)")
     p.add_argument("--profile", type=Path, help="a calibration profile for this network (default: calibrate first)")
+    p.add_argument("--calibrate-sizes", default="4B:64MiB", help="the sizes the calibration sweeps (validate_repeat.py: 4B:8MiB)")
     p.add_argument("--json", type=Path, help="write every run's phases here")
     p.add_argument("--keep", type=Path, help="keep the profile, each run's bucket log and each emulated run's "
                    "report (its per-op records: start, stall, end) in this folder")
@@ -153,13 +159,13 @@ def main() -> int:
         runners.append((f"{mode} {kv}", mode, {key: value}))
     systems = [label for label, _, _ in runners]
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
-    with workload_cluster(args.network, "bkt") as cluster:
+    with workload_cluster(args.network, "bkt", args.peer_noise) as cluster:
         tmpd, _, topo, name = cluster
         profile = args.profile
         if profile is None:
             t0 = time.perf_counter()
             profile = tmpd / "profile.json"
-            save_profile(calibrate(topo, name), profile)
+            save_profile(calibrate(topo, name, args.calibrate_sizes), profile)
             print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
         if args.keep:
             args.keep.mkdir(parents=True, exist_ok=True)

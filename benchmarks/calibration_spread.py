@@ -66,7 +66,7 @@ def main() -> int:
     systems = ["real"] + [f"profile {i}" for i in range(args.profiles)]
     runs: dict[str, list[float]] = {s: [] for s in systems}
     figures: dict[str, dict] = {}
-    with workload_cluster(args.network, "spr") as cluster:
+    with workload_cluster(args.network, "spr", args.peer_noise) as cluster:
         tmpd, _, topo, name = cluster
         keep = args.keep or tmpd / "profiles"
         keep.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,11 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     assert len(busy["lost_compute_s"]) == 2 and all(0.0 <= x <= busy["compute_s"] for x in busy["lost_compute_s"])
     assert 0.1e-9 <= cpu["per_byte_s"] <= 50e-9 and cpu["per_op_s"] >= 0.0
     assert "busy progress:" in r.stdout and "cpu cost per rank:" in r.stdout
+    # and its stall: compute windows halving from the op's idle time, 21 samples each, one fit
+    wins = [w["compute_s"] for w in busy["windows"]]
+    assert len(wins) == 6 and wins[0] == busy["compute_s"] and all(len(w["samples"]) == 21 for w in busy["windows"])
+    assert all(b == pytest.approx(a / 2) for a, b in zip(wins, wins[1:]))
+    assert 0.0 <= busy["stall_s"] <= wins[0] and 0.0 < busy["rate_after_stall"] <= 1.0 and "then rate" in r.stdout
     # two all-reduces at once: together no slower than one after the other, and their bytes no
     # faster than the link (frames counted: payload is 1448 of every 1514 bytes)
     pair = doc["concurrency"]

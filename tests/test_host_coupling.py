@@ -7,7 +7,7 @@ import time
 import pytest
 
 from neuronabox.collectives import Op
-from neuronabox.emu.host_effects.host_coupling import MIN_RATE, HostCoupling, busy_rate_from_profile
+from neuronabox.emu.host_effects.host_coupling import MIN_RATE, HostCoupling, busy_rate_from_profile, busy_stall_from_profile
 from neuronabox.emu.timeline import OpRecord
 
 
@@ -75,6 +75,56 @@ def test_ops_behind_a_slowed_op_start_after_it_ends():
     assert a.end == pytest.approx(0.015) and b.start == pytest.approx(0.015) and b.end == pytest.approx(0.019)
     c.settle(0.019)
     assert c.done(a) and c.done(b) and a.end == pytest.approx(0.015) and b.end == pytest.approx(0.019)
+
+
+def test_an_op_makes_no_progress_over_its_stall_then_moves_at_the_rate():
+    cpu = FakeCPU()
+    c = HostCoupling(0.9, cpu, stall=0.004)
+    c.settle(0.0)
+    r = rec(0, 0.0, 0.010)
+    c.admit(r, float("-inf"))
+    cpu.t = 0.010  # computed the whole 10 ms: none over the first 4, then 0.9 of 6
+    c.settle(0.010)
+    assert not c.done(r) and r.end == pytest.approx(0.010 + 0.010 - 0.9 * 0.006)
+    c.settle(r.end)
+    assert c.done(r)
+
+
+def test_a_half_busy_host_sits_out_the_stall_over_twice_the_wall_time():
+    cpu = FakeCPU()
+    c = HostCoupling(0.9, cpu, stall=0.004)
+    c.settle(0.0)
+    r = rec(0, 0.0, 0.010)
+    c.admit(r, float("-inf"))
+    cpu.t = 0.005  # 5 of 10 ms computing: the stall's 4 ms of compute take 8 ms, half of them moving
+    c.settle(0.010)
+    made = 0.5 * 0.008 + (1 - 0.5 * 0.1) * 0.002
+    assert r.end == pytest.approx(0.010 + 0.010 - made)
+
+
+def test_the_stall_is_each_ops_own_and_a_short_compute_costs_all_of_it():
+    cpu = FakeCPU()
+    c = HostCoupling(0.9, cpu, stall=0.004)
+    c.settle(0.0)
+    a, b = rec(0, 0.0, 0.003), rec(1, 0.0, 0.003)
+    c.admit(a, float("-inf"))
+    c.admit(b, a.end)
+    cpu.t = 0.002  # 2 ms of compute: a loses both
+    c.settle(0.002)
+    assert a.end == pytest.approx(0.005) and b.start == pytest.approx(0.005)
+    c.settle(0.005)  # idle since: a is done; b, not yet started, has its whole stall ahead
+    assert c.done(a) and not c.done(b)
+    cpu.t = 0.003
+    c.settle(0.006)
+    assert b.end == pytest.approx(0.009)
+
+
+def test_stall_from_a_profile():
+    assert busy_stall_from_profile(None) == 0.0
+    assert busy_stall_from_profile({"busy_progress": {"rate": 0.9}}) == 0.0
+    bp = {"rate": 0.9, "stall_s": 0.003, "rate_after_stall": 0.97}
+    assert busy_stall_from_profile({"busy_progress": bp}) == 0.003
+    assert busy_rate_from_profile({"busy_progress": bp}) == 0.97  # the rate after the stall, not over the whole op
 
 
 def test_rate_from_a_profile():

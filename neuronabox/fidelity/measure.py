@@ -54,6 +54,7 @@ class WorkerPlan:
     extra: dict = field(default_factory=dict)
     busy_repeats: int = 21  # samples of the busy-progress measurement (0: skip it)
     busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
+    busy_windows: int = 6  # compute windows beside it: its idle time, then halving (1: that one only, no stall)
     # Samples of two all-reduces at once (0: skip it). The model's overlap turns a small change
     # of its figure into a large one of the idle link it fills (1 - x*S/T): at 100 Mbit/s two
     # calibrations of 7 read 93.7 and 86.5 ns/B, and the DDP CNN +6.9 and +1.5 % (one pair
@@ -199,7 +200,9 @@ def _worker(plan_path: str) -> None:
         cpu = _cpu_cost(results[Op.ALL_REDUCE.value], n, decide)
         if rank == 0:
             print(f"busy progress: rate {busy['rate']:.3f} at {busy['size']} B "
-                  f"(idle {busy['idle_s'] * 1e3:.2f} ms, computing {busy['compute_s'] * 1e3:.2f} ms)", flush=True)
+                  f"(idle {busy['idle_s'] * 1e3:.2f} ms, computing {busy['compute_s'] * 1e3:.2f} ms); "
+                  f"fitted over {len(busy['windows'])} windows: no progress over the first "
+                  f"{busy['stall_s'] * 1e3:.2f} ms of compute, then rate {busy['rate_after_stall']:.3f}", flush=True)
         if rank == 0 and cpu:
             print(f"cpu cost per rank: {cpu['per_op_s'] * 1e6:.1f} us + {cpu['per_byte_s'] * 1e9:.3f} ns/B "
                   f"(all-reduce)", flush=True)
@@ -364,7 +367,7 @@ def _after_barrier(call: Callable[[], object]) -> float:
 
 
 def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
-    """How fast an all-reduce progresses while every rank computes, relative to idle ranks (0..1).
+    """How fast an all-reduce progresses while every rank computes, relative to idle ranks (0..1), and its stall.
 
     A sample: all ranks start an async all-reduce of S bytes, compute (matrix products on the
     main thread) for ``Tc`` = its time in the sweep, then wait; the op took ``T``, and ``W``
@@ -373,9 +376,16 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     one sample moves r little (with W/2 the rate at 100 Mbit/s swung between 0.6 and 1.0). Idle
     and busy samples alternate, so drift hits both; the rate is the median of 21 (of 9, it read
     0.71-1.00 in six calibrations of one 1 Gbit/s network).
+
+    The loss is not proportional to the compute: at 300 Mbit/s 2.5 ms of compute beside a 2.1 MB
+    all-reduce cost it 1.3-2.8 ms, 40 ms cost 5-7 (the op's threads wait for the core at first).
+    So each repeat also computes for shorter windows, halving down to ``Tc / 2**(busy_windows -
+    1)``, and ``busy_stall.fit_busy_stall`` fits the stall and the rate after it to every sample.
     """
     import torch
     import torch.distributed as dist
+
+    from .busy_stall import fit_busy_stall
 
     # The smallest measured size whose all-reduce lasts the target: long enough to time well.
     # Its sweep time is the compute window: agreed already, so every rank computes as long.
@@ -383,6 +393,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     x = torch.ones(max(1, row["size"] // 4))
     a = torch.randn(128, 128)
     tc = row["time_s"]
+    windows = [tc / 2 ** k for k in range(max(1, plan.busy_windows))]
 
     def compute(until: float) -> int:
         done = 0
@@ -391,13 +402,16 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
             done += 1
         return done
 
-    def beside_op() -> None:
+    def beside_op(window: float, count: list | None) -> None:
         t = time.perf_counter()
         work = dist.all_reduce(x, async_op=True)
-        beside.append(compute(t + tc))
+        done = compute(t + window)
+        if count is not None:
+            count.append(done)
         work.wait()
 
-    idle, busy, alone, beside = [], [], [], []
+    idle, alone, beside = [], [], []
+    busy: list[list[float]] = [[] for _ in windows]
     dist.all_reduce(x)
     for _ in range(plan.busy_repeats):
         # Samples are gathered once after the block: an op agreeing each right after it slowed
@@ -405,18 +419,25 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
         idle.append(_after_barrier(lambda: dist.all_reduce(x)))
         dist.barrier()
         alone.append(compute(time.perf_counter() + tc))  # the same compute with no op in flight
-        busy.append(_after_barrier(beside_op))
-    both = decide(idle + busy)
-    idle, busy = both[:len(idle)], both[len(idle):]
+        for i, window in enumerate(windows):
+            busy[i].append(_after_barrier(lambda: beside_op(window, beside if i == 0 else None)))
+    both = decide(idle + [t for b in busy for t in b])
+    idle, flat = both[:len(idle)], both[len(idle):]
+    busy = [flat[i * len(idle):(i + 1) * len(idle)] for i in range(len(windows))]
     w = statistics.median(idle)
-    rates = [max(0.0, min(1.0, 1.0 - (took - w) / tc)) for took in busy]
+    rates = [max(0.0, min(1.0, 1.0 - (took - w) / tc)) for took in busy[0]]
+    rate = statistics.median(rates)
+    stall, after = (fit_busy_stall([(c, took - w) for c, b in zip(windows, busy) for took in b])
+                    if len(windows) > 1 else (0.0, rate))
     # Compute each rank lost beside the op: its matrix products against the same window alone.
     rank, n = dist.get_rank(), dist.get_world_size()
     lost = torch.zeros(n, dtype=torch.float64)
     lost[rank] = w * max(0.0, 1.0 - statistics.median(beside) / max(statistics.median(alone), 1))
     dist.all_reduce(lost)
-    return {"rate": statistics.median(rates), "size": x.numel() * 4, "idle_s": w, "compute_s": tc,
-            "idle_samples": idle, "busy_samples": busy, "rates": rates, "lost_compute_s": lost.tolist()}
+    return {"rate": rate, "size": x.numel() * 4, "idle_s": w, "compute_s": tc,
+            "idle_samples": idle, "busy_samples": busy[0], "rates": rates, "lost_compute_s": lost.tolist(),
+            "stall_s": stall, "rate_after_stall": after,
+            "windows": [{"compute_s": c, "samples": b} for c, b in zip(windows, busy)]}
 
 
 STALL_MIN_S = 0.3e-3  # a rank's CPU in an op beyond its fast runs: below this, noise, not a spin
