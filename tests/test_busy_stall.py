@@ -39,3 +39,16 @@ def test_the_rate_is_held_within_its_bounds():
     assert 0.02 <= rate <= 1.0
     with pytest.raises(ValueError):
         fit_busy_stall([(0.0, 0.001)])
+
+
+def test_a_profiles_stall_is_redrawn_from_its_own_samples():
+    from neuronabox.fidelity.resample import figure_draws
+
+    rng = random.Random(5)
+    idle = [0.060 + rng.gauss(0, 0.0002) for _ in range(21)]
+    windows = [{"compute_s": c, "samples": [0.060 + busy_loss(c, 0.003, 0.96) + rng.gauss(0, 0.0003) for _ in range(21)]}
+               for c in (0.06 / 2 ** k for k in range(6))]
+    profile = {"busy_progress": {"rates": [0.9] * 21, "idle_samples": idle, "windows": windows}}
+    got = figure_draws(profile, random.Random(1), 20)
+    assert len(got["busy_stall_s"]) == 20 and all(abs(s - 0.003) < 0.001 for s in got["busy_stall_s"])
+    assert all(abs(r - 0.96) < 0.02 for r in got["busy_rate_after_stall"])

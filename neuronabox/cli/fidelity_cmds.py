@@ -301,7 +301,10 @@ def calibrate(
     busy, cpu = doc.get("busy_progress"), doc.get("cpu_cost")
     if busy:
         console.print(f"busy progress: an all-reduce of {format_size(busy['size'])} moves at {busy['rate']:.2f} of its idle "
-                      f"speed while the ranks compute (idle {busy['idle_s'] * 1e3:.2f} ms)")
+                      f"speed while the ranks compute (idle {busy['idle_s'] * 1e3:.2f} ms)"
+                      + (f"; fitted over {len(busy.get('windows') or [])} compute windows: none over its first "
+                         f"{busy['stall_s'] * 1e3:.2f} ms of compute, then {busy['rate_after_stall']:.2f}"
+                         if busy.get("stall_s") is not None else ""))
     if cpu:
         from ..emu.host_effects.footprint import interference
 

@@ -70,7 +70,7 @@ def refit(profile: dict[str, Any], measurements: dict[str, list[dict]], settle: 
 
 
 def figure_draws(profile: dict[str, Any], rng: random.Random, draws: int) -> dict[str, list[float]]:
-    """Bootstrap draws of the host-coupling figures a profile keeps samples of: the busy rate, two-at-once over serial per size, spin-stall excess per cell."""
+    """Bootstrap draws of the host-coupling figures a profile keeps samples of: the busy rate (and stall), two-at-once over serial per size, spin-stall excess per cell."""
     out: dict[str, list[float]] = {}
 
     def redraw(xs: list) -> list:
@@ -79,6 +79,15 @@ def figure_draws(profile: dict[str, Any], rng: random.Random, draws: int) -> dic
     busy = profile.get("busy_progress") or {}
     if busy.get("rates"):
         out["busy_rate"] = [statistics.median(redraw(busy["rates"])) for _ in range(draws)]
+    if busy.get("windows") and busy.get("idle_samples") and len(busy["windows"]) > 1:
+        from .busy_stall import fit_busy_stall
+
+        fits = []
+        for _ in range(draws):
+            idle = statistics.median(redraw(busy["idle_samples"]))
+            fits.append(fit_busy_stall([(w["compute_s"], t - idle) for w in busy["windows"] for t in redraw(w["samples"])]))
+        out["busy_stall_s"] = [f[0] for f in fits]
+        out["busy_rate_after_stall"] = [f[1] for f in fits]
     for pt in (profile.get("concurrency") or {}).get("points") or []:
         if pt.get("single_samples") and pt.get("pair_samples"):
             out[f"pair_ratio_{pt['size']}"] = [
