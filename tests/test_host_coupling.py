@@ -77,12 +77,18 @@ def test_ops_behind_a_slowed_op_start_after_it_ends():
     assert c.done(a) and c.done(b) and a.end == pytest.approx(0.015) and b.end == pytest.approx(0.019)
 
 
-def test_an_op_makes_no_progress_over_its_stall_then_moves_at_the_rate():
+def stalled_op() -> tuple[FakeCPU, HostCoupling, OpRecord]:
+    """A 10 ms op admitted at 0 on an accounting with a 4 ms stall, then rate 0.9."""
     cpu = FakeCPU()
     c = HostCoupling(0.9, cpu, stall=0.004)
     c.settle(0.0)
     r = rec(0, 0.0, 0.010)
     c.admit(r, float("-inf"))
+    return cpu, c, r
+
+
+def test_an_op_makes_no_progress_over_its_stall_then_moves_at_the_rate():
+    cpu, c, r = stalled_op()
     cpu.t = 0.010  # computed the whole 10 ms: none over the first 4, then 0.9 of 6
     c.settle(0.010)
     assert not c.done(r) and r.end == pytest.approx(0.010 + 0.010 - 0.9 * 0.006)
@@ -91,11 +97,7 @@ def test_an_op_makes_no_progress_over_its_stall_then_moves_at_the_rate():
 
 
 def test_a_half_busy_host_sits_out_the_stall_over_twice_the_wall_time():
-    cpu = FakeCPU()
-    c = HostCoupling(0.9, cpu, stall=0.004)
-    c.settle(0.0)
-    r = rec(0, 0.0, 0.010)
-    c.admit(r, float("-inf"))
+    cpu, c, r = stalled_op()
     cpu.t = 0.005  # 5 of 10 ms computing: the stall's 4 ms of compute take 8 ms, half of them moving
     c.settle(0.010)
     made = 0.5 * 0.008 + (1 - 0.5 * 0.1) * 0.002
