@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["fit_busy_stall", "busy_loss"]
+__all__ = ["fit_busy_stall", "fit_windows", "busy_loss"]
 
 STALL_STEPS = 200  # stall candidates from 0 to the longest window
 
@@ -56,3 +56,8 @@ def fit_busy_stall(points: Sequence[tuple[float, float]], min_rate: float = 0.0)
             best = (cost, stall, rate)
     assert best is not None
     return best[1], best[2]
+
+
+def fit_windows(idle_s: float, windows: Sequence[dict]) -> tuple[float, float]:
+    """(stall seconds, rate after it) from a profile's ``busy_progress.windows`` (each op's time beside a window) and the idle time."""
+    return fit_busy_stall([(w["compute_s"], took - idle_s) for w in windows for took in w["samples"]])

@@ -385,7 +385,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .busy_stall import fit_busy_stall
+    from .busy_stall import fit_windows
 
     # The smallest measured size whose all-reduce lasts the target: long enough to time well.
     # Its sweep time is the compute window: agreed already, so every rank computes as long.
@@ -427,8 +427,8 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     w = statistics.median(idle)
     rates = [max(0.0, min(1.0, 1.0 - (took - w) / tc)) for took in busy[0]]
     rate = statistics.median(rates)
-    stall, after = (fit_busy_stall([(c, took - w) for c, b in zip(windows, busy) for took in b])
-                    if len(windows) > 1 else (0.0, rate))
+    measured = [{"compute_s": c, "samples": b} for c, b in zip(windows, busy)]
+    stall, after = fit_windows(w, measured) if len(windows) > 1 else (0.0, rate)
     # Compute each rank lost beside the op: its matrix products against the same window alone.
     rank, n = dist.get_rank(), dist.get_world_size()
     lost = torch.zeros(n, dtype=torch.float64)
@@ -437,7 +437,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     return {"rate": rate, "size": x.numel() * 4, "idle_s": w, "compute_s": tc,
             "idle_samples": idle, "busy_samples": busy[0], "rates": rates, "lost_compute_s": lost.tolist(),
             "stall_s": stall, "rate_after_stall": after,
-            "windows": [{"compute_s": c, "samples": b} for c, b in zip(windows, busy)]}
+            "windows": measured}
 
 
 STALL_MIN_S = 0.3e-3  # a rank's CPU in an op beyond its fast runs: below this, noise, not a spin

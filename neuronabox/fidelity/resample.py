@@ -80,12 +80,11 @@ def figure_draws(profile: dict[str, Any], rng: random.Random, draws: int) -> dic
     if busy.get("rates"):
         out["busy_rate"] = [statistics.median(redraw(busy["rates"])) for _ in range(draws)]
     if busy.get("windows") and busy.get("idle_samples") and len(busy["windows"]) > 1:
-        from .busy_stall import fit_busy_stall
+        from .busy_stall import fit_windows
 
-        fits = []
-        for _ in range(draws):
-            idle = statistics.median(redraw(busy["idle_samples"]))
-            fits.append(fit_busy_stall([(w["compute_s"], t - idle) for w in busy["windows"] for t in redraw(w["samples"])]))
+        fits = [fit_windows(statistics.median(redraw(busy["idle_samples"])),
+                            [{"compute_s": w["compute_s"], "samples": redraw(w["samples"])} for w in busy["windows"]])
+                for _ in range(draws)]
         out["busy_stall_s"] = [f[0] for f in fits]
         out["busy_rate_after_stall"] = [f[1] for f in fits]
     for pt in (profile.get("concurrency") or {}).get("points") or []:
