@@ -410,3 +410,29 @@ def test_cluster_flag_runs_every_real_rank_of_one_node_inside_its_namespace(two_
     r = run_nbox("run", str(topo_path), "--cluster", name, "--nproc-per-node", "1", "--nnodes", "2",
                  "--rdzv-endpoint", f"{addrs['node0']}:29400", "--node-rank", "0", "--", PY, str(script))
     assert r.returncode == 2 and "start one launcher per node" in r.stderr
+
+
+@root_only
+def test_cluster_flag_waits_out_a_busy_agent_and_names_what_stays_broken(two_machines, tmp_path):
+    import signal
+    import threading
+
+    from neuronabox.cluster.state import ClusterState
+
+    name, topo_path, addrs = two_machines
+    script = tmp_path / "envcheck.py"
+    script.write_text(ENVCHECK)
+    agent = next(p for p in ClusterState.load(name)["processes"] if p.get("role") == "agent")
+    # A stopped agent stands for one too busy to answer /health: a loaded machine, not a broken cluster.
+    os.kill(agent["pid"], signal.SIGSTOP)
+    resume = threading.Timer(3.0, os.kill, (agent["pid"], signal.SIGCONT))
+    resume.start()
+    try:
+        r = run_nbox("run", str(topo_path), "--cluster", name, "--nproc-per-node", "2", "--", PY, str(script))
+        assert r.returncode == 0, r.stderr[-3000:]
+        os.kill(agent["pid"], signal.SIGSTOP)  # and one that stays silent is refused, naming why
+        r = run_nbox("run", str(topo_path), "--cluster", name, "--nproc-per-node", "2", "--", PY, str(script))
+        assert r.returncode == 2 and "does not answer" in r.stderr, r.stderr[-2000:]
+    finally:
+        resume.cancel()
+        os.kill(agent["pid"], signal.SIGCONT)

@@ -525,7 +525,7 @@ def _running(st: ClusterState, client) -> bool:
     return bool(want) and all(states.get(c) == "running" for c in want)
 
 
-def status(name: str) -> dict:
+def status(name: str, settle: float = 0.0) -> dict:
     """Summary of docker cluster ``name`` (the keys of ``runtime.status`` rows, plus containers and project)."""
     st = ClusterState.load(valid_name(name))
     d = st.get("docker") or {}
@@ -539,7 +539,7 @@ def status(name: str) -> dict:
     plan = st.get("plan") or {}
     present = sum(1 for x in st["namespaces"] if Namespace(x["name"]).exists())
     agents = [p for p in st["processes"] if p.get("role") == "agent"]
-    health = netns_health(st) if st.get("phase") == "up" else {"healthy": False, "problem": f"phase {st.get('phase')!r}"}
+    health = netns_health(st, settle) if st.get("phase") == "up" else {"healthy": False, "problem": f"phase {st.get('phase')!r}"}
     if health["healthy"] and (states is None or running != len(recorded)):
         health = {"healthy": False, "problem": f"{len(recorded) - running} of {len(recorded)} containers are not running; "
                                                f"`nbox up {st.get('topology')} --runtime docker --name {name}` rebuilds it"}

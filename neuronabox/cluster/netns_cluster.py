@@ -259,11 +259,26 @@ def _healthy(st: ClusterState) -> bool:
     return not what_is_broken(st)
 
 
-def health(st: ClusterState) -> dict:
+def _passing(broken: str) -> bool:
+    """A fault that mends itself: a relay or stub the agent is starting again, an agent too busy to answer in time."""
+    return "the agent restarts it" in broken or "does not answer" in broken
+
+
+def settled_broken(st: ClusterState, settle: float = 0.0) -> str:
+    """``what_is_broken``, asked again for up to ``settle`` seconds while the fault is one that mends itself."""
+    broken = what_is_broken(st)
+    deadline = time.monotonic() + settle
+    while broken and _passing(broken) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        broken = what_is_broken(st)
+    return broken
+
+
+def health(st: ClusterState, settle: float = 0.0) -> dict:
     """``healthy``, and when it is not, ``problem``: what is down and the command that fixes it."""
     if st.get("phase") != "up":
         return {"healthy": False, "problem": f"phase {st.get('phase')!r}: `nbox down {st.name}` removes what was made"}
-    broken = what_is_broken(st)
+    broken = settled_broken(st, settle)
     if not broken:
         return {"healthy": True, "problem": None}
     if "the agent restarts it" in broken:  # a delay relay: back within a second, nothing to do

@@ -33,6 +33,7 @@ from .netns_cluster import (
     health,
     keep_agent_log,
     process_alive,
+    settled_broken,
     up_netns,
     up_result,
     what_is_broken,
@@ -130,12 +131,8 @@ def up(
     # The lock makes a second `up` of the same name wait, then find the cluster up.
     with st.locked():
         if st.path.exists():
-            broken = what_is_broken(st) if st.get("phase") == "up" else ""
-            deadline = time.monotonic() + 3.0
-            while "the agent restarts it" in broken and time.monotonic() < deadline:
-                # A relay or stub the agent is starting again: back in a second, no rebuild owed.
-                time.sleep(0.1)
-                broken = what_is_broken(st)
+            # A relay or stub the agent is starting again is back in a second: no rebuild owed.
+            broken = settled_broken(st, 3.0) if st.get("phase") == "up" else ""
             if st.get("phase") == "up" and not broken:
                 if st.get("topology_name") != topo.name or st.get("runtime") != runtime:
                     raise InputError(
@@ -229,15 +226,19 @@ def _down(name: str, timeout: float, keep_lock: bool) -> dict:
 
 
 # ---- status and exec --------------------------------------------------------------------------------
-def status(name: str | None = None) -> list[dict]:
-    """One summary per cluster (or for ``name``): runtime, phase, nodes, namespaces present, agent."""
+def status(name: str | None = None, settle: float = 0.0) -> list[dict]:
+    """One summary per cluster (or for ``name``): runtime, phase, nodes, namespaces present, agent.
+
+    ``settle``: how long to wait out a fault that mends itself (a relay restarting, a busy agent)
+    before calling the cluster unhealthy.
+    """
     out = []
     for n in [valid_name(name)] if name else list_clusters():
         st = ClusterState.load(n)
         if st.get("runtime") == "docker":
             from .docker_runtime import status as docker_status
 
-            out.append(docker_status(n))
+            out.append(docker_status(n, settle))
             continue
         plan = st.get("plan") or {}
         present = sum(1 for x in st["namespaces"] if Namespace(x["name"]).exists())
@@ -251,7 +252,7 @@ def status(name: str | None = None) -> list[dict]:
             "links": len(plan.get("links", [])),
             "namespaces": f"{present}/{len(st['namespaces'])}",
             "agent": (st.get("agent") or {}).get("url") if any(process_alive(p) for p in agents) else None,
-            **health(st),
+            **health(st, settle),
         })
     return out
 

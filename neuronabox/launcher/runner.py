@@ -199,17 +199,24 @@ def run_real_ranks(
     return RunResult(res.returncode, first, res.records, res.failures, res.error, res.stopped_by)
 
 
+def _require_healthy(cluster: str) -> None:
+    """Refuse a cluster that is not up and healthy, after waiting out a fault that mends itself in seconds."""
+    from ..cluster.runtime import status
+
+    st = status(cluster, settle=10.0)[0]
+    if st["phase"] != "up" or not st["healthy"]:
+        raise InputError(f"--cluster {cluster}: the cluster is not up and healthy (phase {st['phase']!r}: "
+                         f"{st.get('problem')}); run `nbox up` first")
+
+
 def _cluster_node(env: dict[str, str], topology: Topology, real_ranks: list[int], cluster: str):
     """The node address and the namespace to launch in, for real ranks that all live on one node of ``cluster``."""
     import contextlib
 
     from ..cluster.namespace import Namespace
-    from ..cluster.runtime import node_info, status
+    from ..cluster.runtime import node_info
 
-    st = status(cluster)[0]
-    if st["phase"] != "up" or not st["healthy"]:
-        raise InputError(f"--cluster {cluster}: the cluster is not up and healthy (phase {st['phase']!r}); "
-                         "run `nbox up` first")
+    _require_healthy(cluster)
     nodes = sorted({topology.node_of(r).name for r in real_ranks})
     if len(nodes) > 1:
         raise InputError(
@@ -225,13 +232,10 @@ def _cluster_node(env: dict[str, str], topology: Topology, real_ranks: list[int]
 def _cluster_hook(env: dict[str, str], topology: Topology, real_rank: int, cluster: str, mode: str):
     """Point ``env`` at the cluster (and wire mode); returns the preexec_fn that enters the real node's namespace."""
     from ..cluster.namespace import Namespace
-    from ..cluster.runtime import node_info, status
+    from ..cluster.runtime import node_info
     from ..cluster.stub import ensure_stub, neighbour_nodes
 
-    st = status(cluster)[0]
-    if st["phase"] != "up" or not st["healthy"]:
-        raise InputError(f"--cluster {cluster}: the cluster is not up and healthy (phase {st['phase']!r}); "
-                         "run `nbox up` first")
+    _require_healthy(cluster)
 
     def info(name: str) -> dict:
         # A cluster brought up from another topology lacks nodes this one runs on or talks to.
