@@ -69,14 +69,20 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     # and gloo's CPU per rank per byte (the same order as a memcpy plus a TCP round and the relay's
     # copy: 9-11 ns/B on one instance of the 2-core machine, 20-27 on a slower one)
     busy, cpu = doc["busy_progress"], doc["cpu_cost"]
-    assert 0.0 <= busy["rate"] <= 1.0 and len(busy["rates"]) == 21
+    assert 0.0 <= busy["rate"] <= 1.0 and len(busy["rates"]) == 31
     assert len(busy["lost_compute_s"]) == 2 and all(0.0 <= x <= busy["compute_s"] for x in busy["lost_compute_s"])
     assert 0.1e-9 <= cpu["per_byte_s"] <= 50e-9 and cpu["per_op_s"] >= 0.0
     assert "busy progress:" in r.stdout and "cpu cost per rank:" in r.stdout
-    # and its stall: compute windows halving from the op's idle time, 21 samples each, one fit
+    # and its stall: compute windows halving from the op's idle time, 31 samples each, one fit;
+    # each beside the smallest swept op that lasts 0.9 of it, with that op's idle samples
     wins = [w["compute_s"] for w in busy["windows"]]
-    assert len(wins) == 6 and wins[0] == busy["compute_s"] and all(len(w["samples"]) == 21 for w in busy["windows"])
+    assert len(wins) == 6 and wins[0] == busy["compute_s"] and all(len(w["samples"]) == 31 for w in busy["windows"])
     assert all(b == pytest.approx(a / 2) for a, b in zip(wins, wins[1:]))
+    swept = {r["size"]: r["time_s"] for r in doc["measurements"]["all_reduce"]}
+    for w in busy["windows"][1:]:
+        assert len(w["idle_samples"]) == 31 and swept[w["size"]] >= 0.9 * w["compute_s"]
+        assert all(swept[s] < 0.9 * w["compute_s"] for s in swept if s < w["size"])
+    assert [w["size"] for w in busy["windows"]] == sorted((w["size"] for w in busy["windows"]), reverse=True)
     assert 0.0 <= busy["stall_s"] <= wins[0] and 0.0 < busy["rate_after_stall"] <= 1.0 and "ms of compute, then" in r.stdout
     # two all-reduces at once: together no slower than one after the other, and their bytes no
     # faster than the link (frames counted: payload is 1448 of every 1514 bytes)

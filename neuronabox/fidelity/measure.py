@@ -52,7 +52,7 @@ class WorkerPlan:
     device: str = "cpu"
     out: str = ""
     extra: dict = field(default_factory=dict)
-    busy_repeats: int = 21  # samples of the busy-progress measurement (0: skip it)
+    busy_repeats: int = 31  # samples of each busy-progress window, and of its op idle (0: skip it)
     busy_target_s: float = 0.03  # its all-reduce lasts about this long on an idle host
     busy_windows: int = 6  # compute windows beside it: its idle time, then halving (1: that one only, no stall)
     # Samples of two all-reduces at once (0: skip it). The model's overlap turns a small change
@@ -374,13 +374,17 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     idle. Work left after computing was ``W - r·Tc``, so ``T = Tc + W - r·Tc`` and
     ``r = 1 - (T - W)/Tc``. ``Tc ≈ W`` spans r = 0..1 over T = 2W..W, so a few ms of noise in
     one sample moves r little (with W/2 the rate at 100 Mbit/s swung between 0.6 and 1.0). Idle
-    and busy samples alternate, so drift hits both; the rate is the median of 21 (of 9, it read
+    and busy samples alternate, so drift hits both; the rate is the median of 31 (of 9, it read
     0.71-1.00 in six calibrations of one 1 Gbit/s network).
 
     The loss is not proportional to the compute: at 300 Mbit/s 2.5 ms of compute beside a 2.1 MB
     all-reduce cost it 1.3-2.8 ms, 40 ms cost 5-7 (the op's threads wait for the core at first).
     So each repeat also computes for shorter windows, halving down to ``Tc / 2**(busy_windows -
     1)``, and ``busy_stall.fit_busy_stall`` fits the stall and the rate after it to every sample.
+    A short window runs beside the smallest op that lasts about as long (a 2 ms window beside the
+    60 ms op cost 60 ms a sample), right after an idle sample of that op: the same time buys
+    half again the samples, and every window has its own idle time (one median of 21 moved the
+    stall by up to 0.9 ms).
     """
     import torch
     import torch.distributed as dist
@@ -390,10 +394,12 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
     # The smallest measured size whose all-reduce lasts the target: long enough to time well.
     # Its sweep time is the compute window: agreed already, so every rank computes as long.
     row = next((r for r in rows if r["time_s"] >= plan.busy_target_s), rows[-1])
-    x = torch.ones(max(1, row["size"] // 4))
-    a = torch.randn(128, 128)
     tc = row["time_s"]
     windows = [tc / 2 ** k for k in range(max(1, plan.busy_windows))]
+    # Each window's op: the smallest measured size lasting 0.9 of it (the main op for the first).
+    sizes = [row["size"]] + [next((r["size"] for r in rows if r["time_s"] >= 0.9 * c), row["size"]) for c in windows[1:]]
+    bufs = {size: torch.ones(max(1, size // 4)) for size in set(sizes)}
+    a = torch.randn(128, 128)
 
     def compute(until: float) -> int:
         done = 0
@@ -402,7 +408,7 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
             done += 1
         return done
 
-    def beside_op(window: float, count: list | None) -> None:
+    def beside_op(x, window: float, count: list | None) -> None:
         t = time.perf_counter()
         work = dist.all_reduce(x, async_op=True)
         done = compute(t + window)
@@ -410,32 +416,37 @@ def _busy_progress(plan: WorkerPlan, rows: list[dict], decide) -> dict:
             count.append(done)
         work.wait()
 
-    idle, alone, beside = [], [], []
+    alone, beside = [], []
+    idle: list[list[float]] = [[] for _ in windows]
     busy: list[list[float]] = [[] for _ in windows]
-    dist.all_reduce(x)
+    for x in bufs.values():
+        dist.all_reduce(x)
     for _ in range(plan.busy_repeats):
         # Samples are gathered once after the block: an op agreeing each right after it slowed
         # the next one timed (the sweep's lesson, 2a044bc).
-        idle.append(_after_barrier(lambda: dist.all_reduce(x)))
         dist.barrier()
         alone.append(compute(time.perf_counter() + tc))  # the same compute with no op in flight
-        for i, window in enumerate(windows):
-            busy[i].append(_after_barrier(lambda: beside_op(window, beside if i == 0 else None)))
-    both = decide(idle + [t for b in busy for t in b])
-    idle, flat = both[:len(idle)], both[len(idle):]
-    busy = [flat[i * len(idle):(i + 1) * len(idle)] for i in range(len(windows))]
-    w = statistics.median(idle)
+        for i, (window, size) in enumerate(zip(windows, sizes)):
+            x = bufs[size]
+            idle[i].append(_after_barrier(lambda: dist.all_reduce(x)))
+            busy[i].append(_after_barrier(lambda: beside_op(x, window, beside if i == 0 else None)))
+    per = plan.busy_repeats
+    flat = decide([t for i in range(len(windows)) for t in idle[i] + busy[i]])
+    idle = [flat[2 * i * per:(2 * i + 1) * per] for i in range(len(windows))]
+    busy = [flat[(2 * i + 1) * per:(2 * i + 2) * per] for i in range(len(windows))]
+    w = statistics.median(idle[0])
     rates = [max(0.0, min(1.0, 1.0 - (took - w) / tc)) for took in busy[0]]
     rate = statistics.median(rates)
-    measured = [{"compute_s": c, "samples": b} for c, b in zip(windows, busy)]
+    measured = [{"compute_s": c, "size": size, "idle_samples": i_s, "samples": b}
+                for c, size, i_s, b in zip(windows, sizes, idle, busy)]
     stall, after = fit_windows(w, measured) if len(windows) > 1 else (0.0, rate)
     # Compute each rank lost beside the op: its matrix products against the same window alone.
     rank, n = dist.get_rank(), dist.get_world_size()
     lost = torch.zeros(n, dtype=torch.float64)
     lost[rank] = w * max(0.0, 1.0 - statistics.median(beside) / max(statistics.median(alone), 1))
     dist.all_reduce(lost)
-    return {"rate": rate, "size": x.numel() * 4, "idle_s": w, "compute_s": tc,
-            "idle_samples": idle, "busy_samples": busy[0], "rates": rates, "lost_compute_s": lost.tolist(),
+    return {"rate": rate, "size": row["size"], "idle_s": w, "compute_s": tc,
+            "idle_samples": idle[0], "busy_samples": busy[0], "rates": rates, "lost_compute_s": lost.tolist(),
             "stall_s": stall, "rate_after_stall": after,
             "windows": measured}
 

@@ -83,7 +83,9 @@ def figure_draws(profile: dict[str, Any], rng: random.Random, draws: int) -> dic
         from .busy_stall import fit_windows
 
         fits = [fit_windows(statistics.median(redraw(busy["idle_samples"])),
-                            [{"compute_s": w["compute_s"], "samples": redraw(w["samples"])} for w in busy["windows"]])
+                            [{**w, "samples": redraw(w["samples"]),
+                              **({"idle_samples": redraw(w["idle_samples"])} if w.get("idle_samples") else {})}
+                             for w in busy["windows"]])
                 for _ in range(draws)]
         out["busy_stall_s"] = [f[0] for f in fits]
         out["busy_rate_after_stall"] = [f[1] for f in fits]
