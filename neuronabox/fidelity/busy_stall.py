@@ -18,6 +18,7 @@ smaller.
 
 from __future__ import annotations
 
+import statistics
 from typing import Sequence
 
 __all__ = ["fit_busy_stall", "fit_windows", "busy_loss"]
@@ -68,7 +69,8 @@ def fit_windows(idle_s: float, windows: Sequence[dict]) -> tuple[float, float]:
     A window measured beside an op of its own keeps that op's idle samples; older profiles timed
     every window beside one op, whose idle time is ``idle_s``.
     """
-    import statistics
-
-    return fit_busy_stall([(w["compute_s"], took - (statistics.median(w["idle_samples"]) if w.get("idle_samples") else idle_s))
-                           for w in windows for took in w["samples"]])
+    points = []
+    for w in windows:
+        idle = statistics.median(w["idle_samples"]) if w.get("idle_samples") else idle_s
+        points += [(w["compute_s"], took - idle) for took in w["samples"]]
+    return fit_busy_stall(points)
