@@ -7,7 +7,7 @@ communicator creation, and ``ncclTopoGetAlgoTime`` turns them into
 module does the same, with NCCL's inputs derived from the topology:
 
 - nRanks = group size; nNodes = distinct nodes in the group; ppn = nRanks / nNodes.
-- compute capability from ``node.device`` (``_COMPUTE_CAPABILITY``), min and max over the group.
+- compute capability from ``node.device`` (``devices.compute_capability``), min and max over the group.
 - intra link type: ``nvlink`` fabric -> NVLink (LL128 allowed, NVSwitch assumed, so NVLS when
   sm90+), ``pcie``/``shm`` -> PCI (no LL128, no NVLS).
 - NCCL's channel search (src/graph/search.cc) is reproduced in its outcome, not its DFS: the
@@ -41,6 +41,7 @@ from ..errors import TopologyError
 from ..topology import Topology
 from ..topology.graph import ClusterGraph
 from . import aws_ofi_tuner, hardware, schedules
+from .devices import compute_capability
 from .base import CommModel, Estimate, Group, Step, range_by_node
 
 __all__ = ["NcclModel", "NCCL_RELEASE", "NCCL_SOURCE", "SUPPORTED_RELEASES"]
@@ -120,15 +121,6 @@ _CONSTANTS = {
     }
 }
 
-# Device name prefix -> CUDA compute capability (x10). Unknown devices, CPUs included, get 80:
-# Ampere is the middle of NCCL's tables and has no architecture-specific algorithms (NVLS).
-_COMPUTE_CAPABILITY = (
-    (("GB200", "GB300", "B200", "B100", "B300"), 100),
-    (("GH200", "H100", "H200", "H800", "H20"), 90),
-    (("A100", "A800", "A30"), 80),
-    (("V100",), 70),
-)
-_DEFAULT_CC = 80
 
 # NCCL functions (ncclFunc_t) that have a tuning model.
 _BROADCAST, _REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE = range(5)
@@ -143,15 +135,6 @@ _FUNC_OF_OP = {
 }
 _BARRIER_BYTES = 4
 _P2P_OPS = (Op.ALL_TO_ALL, Op.GATHER, Op.SCATTER, Op.SEND_RECV)
-
-
-def compute_capability(device: str) -> int:
-    """NCCL's compute capability (e.g. 90) for a topology device name."""
-    name = device.strip().upper()
-    for prefixes, cc in _COMPUTE_CAPABILITY:
-        if name.startswith(prefixes):
-            return cc
-    return _DEFAULT_CC
 
 
 def _log2i(n: int) -> int:
