@@ -7,8 +7,9 @@ device and network fabric). For every system and size the table gives
 
 - shipped: the model with the profile fitted on every system it covers (``--write`` stores
   those profiles in neuronabox/model/hardware/, which the model then inherits);
-- leave-one-out: the same profile fitted without this system (if it covers no other system:
-  fitted on every other system of the same scope, single- or multi-node), predicting it;
+- leave-one-out: the same profile fitted without this system (if it covers no other system: the
+  profile the model falls back to without it, the nearest GPU generation's on the same fabrics),
+  predicting it;
 - own log: the profile ``nbox calibrate --from-nccl-tests LOG`` fits on this log alone;
 - half: fitted on every other size of the logs, predicting the sizes left out;
 - NCCL: NCCL's own tuning times (``emulation.hardware: none``), what the model said before.
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from neuronabox.fidelity.hardware_fit import Measured, fit_section, measured_points, predict  # noqa: E402
 from neuronabox.fidelity.nccl_log import read_log  # noqa: E402
+from neuronabox.model import hardware  # noqa: E402
 from neuronabox.model.hardware import HardwareProfile, Match, as_yaml  # noqa: E402
 from neuronabox.topology import load_topology  # noqa: E402
 
@@ -63,10 +65,13 @@ class System:
     intra: str
     fabric: str  # network.fabric, or "" for one node
     multi: bool
+    named: str | None = None  # the topology's emulation.hardware: a profile of its own, which only naming selects
 
     @property
     def profile(self) -> str:
         """The shipped profile (file stem) that covers it."""
+        if self.named:
+            return self.named
         return f"{self.generation}-{self.fabric}" if self.multi else f"{self.generation}-{self.intra}"
 
 
@@ -101,7 +106,7 @@ def load_systems() -> list[System]:
         multi = measured[0].n_nodes > 1
         node = topo.nodes[0]
         out.append(System(folder.name, meta, measured, generation(node.device), node.fabric.value,
-                          topo.network.fabric if multi else "", multi))
+                          topo.network.fabric if multi else "", multi, topo.emulation.hardware))
     return out
 
 
@@ -143,8 +148,11 @@ def main() -> None:
     for name, members in by_profile.items():
         section = fit(members)
         s0 = members[0]
-        match = Match(devices=GENERATIONS[s0.generation], intra=s0.intra,
-                      network=[s0.fabric] if s0.multi else ["ib", "roce", "efa", "tcp"])
+        # A system whose topology names its profile runs what the model has no algorithm for (SHARP's
+        # CollNet): fitted on its own and selected only by name, so that it does not stand in for
+        # every node of that device and fabric.
+        match = None if s0.named else Match(devices=GENERATIONS[s0.generation], intra=s0.intra,
+                                            network=[s0.fabric] if s0.multi else ["ib", "roce", "efa", "tcp"])
         prof = HardwareProfile(
             name=name,
             description=f"{name}: fitted by benchmarks/published_accuracy.py on published nccl-tests logs",
@@ -160,15 +168,23 @@ def main() -> None:
         shipped = profiles[s.profile].network if s.multi else profiles[s.profile].node
         mates = [o for o in by_profile[s.profile] if o is not s]
         loo_basis = "same profile"
-        if not mates:
-            mates = [o for o in systems if o is not s and o.multi == s.multi]
-            loo_basis = "every other " + ("multi-node" if s.multi else "single-node") + " system"
-        loo = fit(mates) if mates else None
+        if mates:
+            loo = fit(mates)
+        else:
+            # Its profile's only system: what the shipped model says without that profile, the
+            # nearest generation's on the same fabrics (hardware.nearest), as a topology of a
+            # generation nobody measured on that fabric gets.
+            node = s.measured[0].topology.nodes[0]
+            scope = "network" if s.multi else "node"
+            others = [p for n, p in profiles.items() if n != s.profile]
+            near = hardware.nearest(others, node.device, node.fabric.value, s.fabric or "ib", scope)
+            loo = getattr(near, scope) if near else None
+            loo_basis = f"nearest generation: {near.name}" if near else "none (NCCL's own tuning times)"
         for m in s.measured:
             own = fit_section([m], network=s.multi)  # what nbox calibrate --from-nccl-tests LOG fits
             cells = {
                 "shipped": errors(m, shipped),
-                "leave-one-out": errors(m, loo) if loo else [],
+                "leave-one-out": errors(m, loo),
                 "own log": errors(m, own),
                 "half": half(m),
                 "NCCL": errors(m, None),
@@ -243,7 +259,8 @@ def write(table, profiles, seconds) -> None:
         f"{r['system']} ({r['loo_basis']})" for r in table if r['loo_basis'] != "same profile") or "-", ""]
     lines += ["## Shipped profiles", ""]
     for name, prof in profiles.items():
-        lines.append(f"- `{name}`: fitted on {', '.join(prof.fitted_on)}")
+        how = "" if prof.match else " (selected only where a topology names it: emulation.hardware)"
+        lines.append(f"- `{name}`: fitted on {', '.join(prof.fitted_on)}{how}")
     (OUT / "published_accuracy.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

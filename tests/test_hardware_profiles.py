@@ -243,14 +243,37 @@ def test_a_tree_across_nodes_loads_the_busiest_node_as_nccls_double_binary_tree_
 def test_shipped_profiles_load_and_are_inherited_by_device_and_fabric():
     shipped = hardware.shipped_profiles()
     assert shipped, "no shipped hardware profiles"
+    # A profile without a match (a100-ib-sharp: SHARP runs, which the model has no algorithm for) is
+    # selected only where a topology names it.
+    published = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+    named = {(yaml.safe_load(t.read_text()).get("emulation") or {}).get("hardware") for t in published.glob("*/topology.yaml")}
     for prof in shipped:
-        assert prof.match is not None and prof.fitted_on and (prof.node or prof.network)
+        assert prof.fitted_on and (prof.node or prof.network)
+        assert prof.match is not None or prof.name in named, prof.name
     node_profiles = [p for p in shipped if p.node is not None and p.match.intra == "nvlink"
                      and any("H100".startswith(d) for d in p.match.devices)]
     if node_profiles:
         model = create_model(parse_topology(H100.format(nodes=1, extra=""), "t.yaml"), "nccl")
         model.estimate(Op.ALL_REDUCE, 1 << 20, range(8))
         assert node_profiles[0].name in model.hardware_source
+
+
+def test_a_generation_without_a_profile_on_a_fabric_takes_the_nearest_generations():
+    # A100s over RoCE: no a100-roce profile ships; the network section is the nearest generation's
+    # on RoCE (Hopper), newer on a tie, and the report says so. A device of no known generation
+    # keeps NCCL's own times.
+    shipped = hardware.shipped_profiles()
+    near = hardware.nearest(shipped, "A100", "nvlink", "roce", "network")
+    assert near is not None and near.matches("H100", "nvlink", "roce")
+    a100 = H100.replace("device: H100", "device: A100").replace("type: rail-optimized", "type: switch, fabric: roce")
+    model = create_model(parse_topology(a100.format(nodes=2, extra=""), "t.yaml"), "nccl")
+    model.estimate(Op.ALL_REDUCE, 1 << 20, range(16))
+    assert f"{near.name} (nearest generation)" in model.hardware_source
+    assert "a100-nvlink" in model.hardware_source  # its own generation's node section still wins
+    assert hardware.nearest(shipped, "MI300X", "nvlink", "roce", "network") is None
+    other = create_model(parse_topology(a100.replace("device: A100", "device: MI300X").format(nodes=2, extra=""), "t.yaml"), "nccl")
+    other.estimate(Op.ALL_REDUCE, 1 << 20, range(16))
+    assert "nearest" not in other.hardware_source
 
 
 def test_published_dataset_logs_all_parse():
