@@ -9,6 +9,7 @@ __all__ = ["compute_capability", "known", "DEFAULT_CC"]
 _COMPUTE_CAPABILITY = (
     (("GB200", "GB300", "B200", "B100", "B300"), 100),
     (("GH200", "H100", "H200", "H800", "H20"), 90),
+    (("L40S", "L40", "L4"), 89),  # Ada: Ampere's tables in NCCL; a generation of its own for the profiles
     (("A100", "A800", "A30"), 80),
     (("V100",), 70),
 )
