@@ -52,7 +52,7 @@ GENERATIONS = {
     "l40s": ["L40S", "L40"],
 }
 # system.yaml's fabric -> the topology's network.fabric.
-FABRIC = {"ib": "ib", "azure-ib": "ib", "roce": "roce", "gcp-roce": "roce", "efa": "efa", "gcp-tcp": "tcp",
+FABRIC = {"ib": "ib", "azure-ib": "ib", "roce": "roce", "gcp-roce": "roce", "efa": "efa", "gcp-tcpxo": "tcpxo", "gcp-tcp": "tcp",
           "ethernet-tcp": "tcp"}
 
 
@@ -104,6 +104,9 @@ def load_systems() -> list[System]:
                 log = replace(log, rows=tuple(r for r in log.rows if r.busbw_GBps >= 1.0))
             measured.append(measured_points(topo, log))
         multi = measured[0].n_nodes > 1
+        if multi and fabric(meta["fabric"]) != topo.network.fabric:  # the profile it feeds follows the topology's
+            raise SystemExit(f"{folder.name}: system.yaml's fabric {meta['fabric']!r} is {fabric(meta['fabric'])!r}, "
+                             f"but topology.yaml says network.fabric {topo.network.fabric!r}")
         node = topo.nodes[0]
         out.append(System(folder.name, meta, measured, generation(node.device), node.fabric.value,
                           topo.network.fabric if multi else "", multi, topo.emulation.hardware))
@@ -152,7 +155,7 @@ def main() -> None:
         # CollNet): fitted on its own and selected only by name, so that it does not stand in for
         # every node of that device and fabric.
         match = None if s0.named else Match(devices=GENERATIONS[s0.generation], intra=s0.intra,
-                                            network=[s0.fabric] if s0.multi else ["ib", "roce", "efa", "tcp"])
+                                            network=[s0.fabric] if s0.multi else list(hardware.NETWORK_FABRICS))
         prof = HardwareProfile(
             name=name,
             description=f"{name}: fitted by benchmarks/published_accuracy.py on published nccl-tests logs",

@@ -147,8 +147,9 @@ class Network(_Strict):
     link: LinkSpec = Field(description="every link's parameters unless a link says otherwise")
     switch_latency: Duration = Field(0.0, description="forwarding latency per switch crossed")
     mtu: int = Field(1500, ge=576, le=9216, description="IP MTU; with library gloo (TCP) it sets the payload share of a link")
-    fabric: Literal["ib", "roce", "efa", "tcp"] = Field(
-        "ib", description="the network's transport (InfiniBand, RoCE, AWS EFA, TCP sockets): picks the hardware profile"
+    fabric: Literal["ib", "roce", "efa", "tcp", "tcpxo"] = Field(
+        "ib", description="the network's transport (InfiniBand, RoCE, AWS EFA, TCP sockets or GCP's GPUDirect-TCPX, "
+        "GCP's GPUDirect-TCPXO of A3 Mega): picks the hardware profile"
     )
     fat_tree: FatTree | None = None
     rail: Rail | None = None
