@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from neuronabox.collectives import Op  # noqa: E402
-from neuronabox.fidelity.calibrate import default_sizes, run_calibration  # noqa: E402
+from neuronabox.fidelity.calibrate import BUCKET_PRECISION, default_sizes, parse_precision, run_calibration  # noqa: E402
 from neuronabox.fidelity.profile import save_profile  # noqa: E402
 from neuronabox.fidelity.resample import bootstrap, figure_draws, halves, refit, relative_sd, spread  # noqa: E402
 from neuronabox.model.calibrated import CalibratedModel  # noqa: E402
@@ -130,7 +130,8 @@ def analyse(topo, profiles: list[dict], ops: dict[str, list], draws: int, rng: r
     return doc, lines
 
 
-def calibrate_all(mbit: int, count: int, folder: Path, t0: float, one_cluster: bool) -> tuple[Path, list[dict], list[Path]]:
+def calibrate_all(mbit: int, count: int, folder: Path, t0: float, one_cluster: bool,
+                  bucket_precision: float = BUCKET_PRECISION) -> tuple[Path, list[dict], list[Path]]:
     """``count`` calibrations at ``mbit`` Mbit/s, of one 2-node cluster (else each of its own); the topology file, the profiles and their files."""
     from neuronabox.cluster import runtime as rt
 
@@ -143,7 +144,8 @@ def calibrate_all(mbit: int, count: int, folder: Path, t0: float, one_cluster: b
         rt.up(topo, runtime="netns", name=name)
     try:
         for k in range(count):
-            doc_k = run_calibration(topo, [Op.ALL_REDUCE, Op.BROADCAST], default_sizes(4, 8 << 20, 2.0), cluster=name)
+            doc_k = run_calibration(topo, [Op.ALL_REDUCE, Op.BROADCAST], default_sizes(4, 8 << 20, 2.0), cluster=name,
+                                    bucket_precision=bucket_precision)
             path = folder / f"rep{mbit}-{k}.profile.json"
             save_profile(doc_k, path)
             profiles.append(json.loads(path.read_text()))
@@ -166,6 +168,8 @@ def main() -> None:
     ap.add_argument("--cluster-each", action="store_true",
                     help="each calibration on a cluster of its own (default: all of a rate's on one cluster, as nbox "
                          "validate --calibrate calibrates the cluster its runs use)")
+    ap.add_argument("--bucket-precision", default="0.5%",
+                    help="nbox calibrate --bucket-precision of every calibration (finer: more samples from 256 KiB up)")
     ap.add_argument("--note", default="Measured on the shared 2-core VM while other engineers' sessions ran: the "
                                       "between-calibration spread includes their load.",
                     help="how busy the machine was, for the record")
@@ -175,7 +179,8 @@ def main() -> None:
     old = json.loads(args.source.read_text()) if args.source else None
     cmd = (f".venv/bin/python benchmarks/calibration_repeat.py --from {args.source} --out {args.out}" if old else
            f"sudo .venv/bin/python benchmarks/calibration_repeat.py --calibrations {args.calibrations} "
-           f"--rates {args.rates} --draws {args.draws} --out {args.out}" + (" --cluster-each" if args.cluster_each else ""))
+           f"--rates {args.rates} --draws {args.draws} --out {args.out}" + (" --cluster-each" if args.cluster_each else "")
+           + (f" --bucket-precision {args.bucket_precision}" if args.bucket_precision != "0.5%" else ""))
     doc: dict = {"command": cmd, "rates": {}}
     lines = ["# Calibration repeatability", "", f"`{cmd}`", "",
              args.note + (" Each calibration on a fresh cluster of its own." if args.cluster_each else
@@ -196,7 +201,8 @@ def main() -> None:
                 topo_file.write_text(TOPO.format(mbit=mbit))
                 ops = {arch: [tuple(x) for x in w["ops"]] for arch, w in rd["workloads"].items()}
             else:
-                topo_file, profiles, paths = calibrate_all(mbit, args.calibrations, folder, t0, not args.cluster_each)
+                topo_file, profiles, paths = calibrate_all(mbit, args.calibrations, folder, t0, not args.cluster_each,
+                                                           parse_precision(args.bucket_precision, "--bucket-precision"))
                 ops = {arch: workload_ops(topo_file, paths[0], arch, folder) for arch in ARCHS}
             topo = load_topology(topo_file)
             rate_doc, rate_lines = analyse(topo, profiles, ops, args.draws, rng)

@@ -228,7 +228,8 @@ def calibrate(
     precision: str = typer.Option("2%", "--precision", help="Sample a size until its median is known within this "
                                   "(95 % interval), within the budgets; off: the sweep's three passes only."),
     bucket_precision: str = typer.Option("0.5%", "--bucket-precision", help="The same from 256 KiB up, where DDP's "
-                                         "buckets are (up to 40 budgets and 80 samples a size); off: --precision there too."),
+                                         "buckets are (up to 40 budgets and 80 samples a size at 0.5 %, four times that "
+                                         "at half of it); off: --precision there too."),
     write_topology: bool = typer.Option(
         False, "--write-topology", help="Set emulation.profile in the topology file to the new profile (other lines kept)."),
     part: str = typer.Option(

@@ -74,15 +74,24 @@ BUCKET_PRECISION = WorkerPlan.bucket_ci_target  # nbox calibrate --bucket-precis
 
 
 def _topup(precision: float, budget_s: float, bucket_precision: float = BUCKET_PRECISION) -> dict[str, float]:
-    """The WorkerPlan fields of the top-up rounds: 10 budgets a size (40 from DDP's bucket sizes up), 400 in all; none at precision 0."""
+    """The WorkerPlan fields of the top-up rounds: 10 budgets a size (40 from DDP's bucket sizes up), 400 in all; none at precision 0.
+
+    A bucket precision finer than the default buys proportionally more: a median's interval
+    narrows as one over the square root of its samples, so half the interval takes four times the
+    samples and budgets (at most 16 times); with 80 samples at most the flag could not go finer.
+    At 0.25 % one calibration's bootstrap sd of the workloads' modeled communication fell from
+    0.21 to 0.12-0.16 % at 300 Mbit/s (benchmarks/results/calibration_repeat_precise.md); what
+    the host's speed does between calibrations it cannot average out.
+    """
     if precision <= 0.0:
         return {"ci_target": 0.0, "topup_s": 0.0, "topup_total_s": 0.0, "bucket_ci_target": 0.0, "bucket_topup_s": 0.0}
     on = bucket_precision > 0.0  # off: those sizes as the others
-    return {"ci_target": precision, "topup_s": 10 * budget_s, "topup_total_s": 400 * budget_s,
+    more = min(16.0, max(1.0, (BUCKET_PRECISION / bucket_precision) ** 2)) if on else 1.0
+    return {"ci_target": precision, "topup_s": 10 * budget_s, "topup_total_s": 400 * budget_s * more,
             "bucket_ci_target": min(precision, bucket_precision) if on else precision,
-            "bucket_topup_s": (40 if on else 10) * budget_s,
+            "bucket_topup_s": (40 * more if on else 10) * budget_s,
             "bucket_min_samples": WorkerPlan.bucket_min_samples if on else 0,
-            "bucket_max_samples": WorkerPlan.bucket_max_samples if on else WorkerPlan.max_samples}
+            "bucket_max_samples": round(WorkerPlan.bucket_max_samples * more) if on else WorkerPlan.max_samples}
 
 
 def parse_ops(text: str, flag: str = "--ops") -> list[Op]:
