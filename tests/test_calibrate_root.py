@@ -78,7 +78,9 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     wins = [w["compute_s"] for w in busy["windows"]]
     assert len(wins) == 6 and wins[0] == busy["compute_s"] and all(len(w["samples"]) == 31 for w in busy["windows"])
     assert all(b == pytest.approx(a / 2) for a, b in zip(wins, wins[1:]))
-    swept = {r["size"]: r["time_s"] for r in doc["measurements"]["all_reduce"]}
+    # the windows chose their ops by the sweep's own medians (``median_s``); ``time_s`` was settled by
+    # the neighbouring sizes after (a settled 2.47 ms beside a 2.90 ms window once)
+    swept = {r["size"]: r["median_s"] for r in doc["measurements"]["all_reduce"]}
     for w in busy["windows"][1:]:
         assert len(w["idle_samples"]) == 31 and swept[w["size"]] >= 0.9 * w["compute_s"]
         assert all(swept[s] < 0.9 * w["compute_s"] for s in swept if s < w["size"])

@@ -767,6 +767,32 @@ def test_failed_up_takes_back_what_it_made():
     assert snapshot("tb") == before
 
 
+def test_up_refuses_a_namespace_it_did_not_make_and_leaves_it_alone(tmp_path, monkeypatch):
+    # A cluster of the same name kept in another state folder (two test suites at once, or a crash
+    # that lost its state): its namespace is someone else's, and the failed up must not delete it.
+    from neuronabox.errors import InputError
+
+    before = snapshot("tk")
+    other = Namespace("nbx-tk-h1")
+    other.create()
+    try:
+        with pytest.raises(InputError, match=r"network namespace nbx-tk-h1 exists already: .*ip netns delete nbx-tk-h1"):
+            rt.up(switch_topo(3), runtime="netns", name="tk")
+        assert other.exists() and not ClusterState.exists("tk")
+        assert snapshot("tk")["namespaces"] == ["nbx-tk-h1"]
+        # bound between the check and the create: the same line, and only its own namespaces go
+        real_exists = Namespace.exists
+        monkeypatch.setattr(Namespace, "exists", lambda self: False if self.name == "nbx-tk-h1" else real_exists(self))
+        with pytest.raises(InputError, match="network namespace nbx-tk-h1 exists already"):
+            rt.up(switch_topo(3), runtime="netns", name="tk")
+        monkeypatch.undo()
+        assert other.exists() and not ClusterState.exists("tk")
+        assert snapshot("tk")["namespaces"] == ["nbx-tk-h1"]
+    finally:
+        other.delete()
+    assert snapshot("tk") == before
+
+
 def test_delay_change_applies_to_an_open_connection(pair):
     call = agent(pair)
     a, b = hosts(pair)

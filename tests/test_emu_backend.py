@@ -464,7 +464,9 @@ def test_blocking_all_reduces_add_their_duration_per_iteration(emulate, one_thre
         return statistics.median(times)
 
     base, slow = run(0.0), run(duration)
-    assert slow - base == pytest.approx(k * duration, rel=0.05)
+    # never early (each wait sleeps to its deadline); late by the wake-ups of a busy host only
+    # (+3.2 ms over 3 waits beside a second test suite on the same 2 cores)
+    assert 0.97 * k * duration <= slow - base <= k * duration + 7e-3
 
 
 def test_ddp_reducer_sees_completion_at_the_modeled_time(emulate):

@@ -79,9 +79,10 @@ def test_inject_adds_k_times_the_delay_per_iteration(files, tmp_path):
         assert r.returncode == 0, r.stderr
         medians[delay] = _report(rep)["iteration_time"]["median"]
     grew = medians["10ms"] - medians["0ms"]
-    # Each of the 3 blocking waits may end late by the timer's lateness on a busy machine (a full
-    # suite on a slow instance: +31.6 ms, the runs alone within 0.5 ms of 30).
-    assert grew == pytest.approx(3 * 10e-3, abs=3 * 1e-3)
+    # Never early: each of the 3 blocking waits sleeps to its deadline, and may only wake late on a
+    # busy machine (a full suite on a slow instance: +31.6 ms; beside a second suite on the same
+    # 2 cores: +33.0; the runs alone within 0.5 ms of 30).
+    assert 3 * 10e-3 - 1.5e-3 <= grew <= 3 * 10e-3 + 6e-3
 
 
 def test_straggler_delays_collectives_by_its_extra_compute(tmp_path):
@@ -105,8 +106,10 @@ def test_straggler_delays_collectives_by_its_extra_compute(tmp_path):
         r = run_nbox("run", str(topo), *flag, "--report", str(rep), "-q", "--", PY, str(script))
         assert r.returncode == 0, r.stderr
         meds[len(flag)] = _report(rep)["iteration_time"]["median"]
-    # rank 5 computes twice as slow: it reaches every all-reduce ~20 ms after the real rank
-    assert meds[2] - meds[0] == pytest.approx(0.020, abs=0.004)
+    # rank 5 computes twice as slow: it reaches every all-reduce ~20 ms after the real rank (more
+    # where the real rank's 20 ms sleep itself overslept, which the straggler's compute doubles:
+    # +24.3 ms beside a second test suite on the same 2 cores)
+    assert 0.016 <= meds[2] - meds[0] <= 0.028
 
 
 def test_failing_command_exits_1_and_bad_input_exits_2(files, tmp_path):

@@ -14,6 +14,7 @@ import os
 import time
 from collections import defaultdict
 
+from ..errors import InputError
 from .namespace import Namespace
 from .netplan import NetworkPlan
 from .rtnetlink import RtBatch
@@ -33,6 +34,13 @@ _SYSCTL_NODE = {
 }
 
 
+def _taken_message(names: list[str]) -> str:
+    """The one line for namespaces that exist already."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return (f"network namespace {names[0]}{more} exists already: a cluster of this name is up elsewhere "
+            f"(another NBOX_STATE_DIR) or a crash left it; `ip netns delete {names[0]}` or pick another --name")
+
+
 def build_network(plan: NetworkPlan, state, progress=None, adopt: dict[str, int] | None = None) -> None:
     """Create the plan's namespaces, links, bridges, addresses, routes and rules, recording each first.
 
@@ -41,14 +49,28 @@ def build_network(plan: NetworkPlan, state, progress=None, adopt: dict[str, int]
     """
     say = progress or (lambda msg: None)
     adopt = adopt or {}
+    nss = {p.name: Namespace(p.name) for p in plan.namespaces}
+    # A name already bound belongs to someone else (a cluster of the same name kept in another
+    # state folder, or one whose state a crash lost): refuse before recording, so that this
+    # `up`'s clean-up never deletes what it did not make.
+    taken = [name for name, ns in nss.items() if ns.exists()]
+    if taken:
+        raise InputError(_taken_message(taken))
     state.record("namespaces", [{"name": p.name, "kind": p.kind, "vertex": p.vertex,
                                  **({"adopted": adopt[p.name]} if p.name in adopt else {})} for p in plan.namespaces])
-    nss = {p.name: Namespace(p.name) for p in plan.namespaces}
-    for p in plan.namespaces:
-        if p.name in adopt:
-            nss[p.name].adopt(adopt[p.name])
-        else:
-            nss[p.name].create()
+    for i, p in enumerate(plan.namespaces):
+        try:
+            if p.name in adopt:
+                nss[p.name].adopt(adopt[p.name])
+            else:
+                nss[p.name].create()
+        except FileExistsError:
+            # Bound by another process since the check: this one and the rest are not ours.
+            ours = {q.name for q in plan.namespaces[:i]}
+            state.data["namespaces"] = [r for r in state.data["namespaces"] if r["name"] in ours
+                                        or r["name"] not in nss]
+            state.save()
+            raise InputError(_taken_message([p.name])) from None
         # IPv6 off before any interface exists: no DAD or router solicitations in the counters.
         nss[p.name].sysctl(_SYSCTL_NODE)
     say(f"{len(nss)} namespaces")
