@@ -102,6 +102,8 @@ def test_a_log_of_another_collective_is_refused(truth_times):
         parse_log(text, "all_reduce_perf.txt")
     with pytest.raises(InputError, match="this is a all_reduce_perf log, not all_gather"):
         parse_log("# ./build/all_reduce_perf -b 8\n" + log_text(truth_times), "x.txt", op=Op.ALL_GATHER)
+    with pytest.raises(InputError, match="all_gather_perf.txt: the file is named after all_gather_perf but the log is all_reduce_perf's"):
+        parse_log("# Collective test starting: all_reduce_perf\n" + log_text(truth_times), "logs/all_gather_perf.txt")
 
 
 # ---- profiles ------------------------------------------------------------------------------------------------------------

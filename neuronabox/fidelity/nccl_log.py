@@ -132,6 +132,9 @@ def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = 
     named = OP_OF_BINARY.get(binary) if binary else None
     if op is not None and named is not None and named is not op:
         raise InputError(f"{source}: this is a {binary}_perf log, not {op.value}")
+    # A file named after another nccl-tests binary than the one its header names: two logs mixed up.
+    if named is not None and (m := _BINARY.search(Path(source).name)) and m.group(1) != binary:
+        raise InputError(f"{source}: the file is named after {m.group(1)}_perf but the log is {binary}_perf's")
     op = op or named or op_from_filename(source)
     n = ranks or len(rank_ids) or default_ranks or None
     if op is None:
