@@ -10,7 +10,7 @@ import pytest
 
 from neuronabox.collectives import Op
 from neuronabox.errors import InputError
-from neuronabox.fidelity.calibrate import _topup, default_sizes, parse_ops, parse_precision, parse_size_range
+from neuronabox.fidelity.calibrate import _read_measured, _time_limit, _topup, default_sizes, parse_ops, parse_precision, parse_size_range
 from neuronabox.fidelity.fit import fit_piecewise, link_estimate
 from neuronabox.fidelity.measure import cpu_cost_rows
 from neuronabox.fidelity.profile import make_profile, save_profile
@@ -112,6 +112,24 @@ def test_precision_sets_the_top_up_rounds_and_off_has_none():
     for bad in ("2x", "150%", "-1%", "nan"):
         with pytest.raises(InputError, match="--precision"):
             parse_precision(bad)
+
+
+def test_the_ranks_time_limit_grows_with_the_top_up_budget_and_a_timeout_says_so(tmp_path):
+    from neuronabox.errors import RunFailed
+    from neuronabox.fidelity.measure import WorkerPlan
+
+    def plan(**topup):
+        return WorkerPlan(["all_reduce"], [4], out=str(tmp_path / "none.json"), **topup)
+
+    default, fine = plan(**_topup(0.02, 0.15)), plan(**_topup(0.02, 0.15, bucket_precision=0.0015))
+    assert _time_limit(default, 900.0) == pytest.approx(1020.0)
+    # 0.15 % buys 11x the top-up rounds (666 s at the default budget): a fixed 900 s ended one half way
+    assert _time_limit(fine, 900.0) == pytest.approx(900.0 + 2 * 400 * 0.15 * (0.005 / 0.0015) ** 2)
+    (tmp_path / "rank0.log").write_text("all_reduce 8388608 B  708327.3 us\n")
+    with pytest.raises(RunFailed, match=r"did not finish within 1020 s .*coarser --bucket-precision.*: all_reduce 8388608"):
+        _read_measured(default, [-15, -15], tmp_path, 1020.0)
+    with pytest.raises(RunFailed, match=r"failed \(exit status"):
+        _read_measured(default, [1, 0], tmp_path)
 
 
 def synthetic_profile(tmp_path, topology=TWO):

@@ -183,9 +183,11 @@ def run_calibration(
         with cluster_for(topology, cluster, say) as up:
             say(f"cluster {up.name} up; measuring {len(ops)} ops x up to {len(sizes)} sizes "
                 f"on {topology.world_size} ranks ({backend})")
-            _, codes = launch_real(up.name, topology, worker, None, timeout=timeout, record_only=False,
+            limit = _time_limit(plan, timeout)
+            started = time.monotonic()
+            _, codes = launch_real(up.name, topology, worker, None, timeout=limit, record_only=False,
                                    log_dir=Path(tmp))
-            measured = _read_measured(plan, codes, Path(tmp))
+            measured = _read_measured(plan, codes, Path(tmp), limit if time.monotonic() - started >= limit else None)
     settle_times(measured)
     n = topology.world_size
     fits = fit_measured(measured, n)
@@ -241,8 +243,10 @@ def run_intra_node(
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=path) for r in range(n)]
         cores = sorted(os.sched_getaffinity(0))
         pres = [rank_preexec(None, cores[r % len(cores)] if device == "cpu" else None) for r in range(n)]
-        codes = run_ranks(worker, envs, pres, timeout=timeout, log_dir=Path(tmp))
-        measured = _read_measured(plan, codes, Path(tmp))
+        limit = _time_limit(plan, timeout)
+        started = time.monotonic()
+        codes = run_ranks(worker, envs, pres, timeout=limit, log_dir=Path(tmp))
+        measured = _read_measured(plan, codes, Path(tmp), limit if time.monotonic() - started >= limit else None)
     settle_times(measured)
     return {"ranks": n, "device": node.device, "library": library_info(backend),
             "ops": {k: v.as_dict() for k, v in fit_measured(measured, n).items()},
@@ -270,15 +274,26 @@ def _worker_command(plan: "WorkerPlan", folder: Path) -> list[str]:
     return [sys.executable, "-m", "neuronabox.fidelity.measure", str(plan_file)]
 
 
-def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path) -> dict:
-    """What rank 0 wrote, or the ranks' failure with rank 0's last lines."""
+def _time_limit(plan: "WorkerPlan", timeout: float) -> float:
+    """How long the ranks may run: ``timeout`` for the sweep and its parts, plus twice the top-up budget.
+
+    A finer --bucket-precision buys up to 16 times the top-up rounds (16 minutes at the default
+    budget); a fixed limit ended such a calibration half way.
+    """
+    return timeout + 2.0 * plan.topup_total_s
+
+
+def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path, timed_out: float | None = None) -> dict:
+    """What rank 0 wrote, or the ranks' failure with rank 0's last lines (``timed_out``: the limit they ran past)."""
     from .real_system import exit_codes_text
 
     if any(codes) or not Path(plan.out).exists():
         log = logs / "rank0.log"
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-        raise RunFailed(f"the calibration ranks failed (exit status {exit_codes_text(codes)}): "
-                        f"{' | '.join(tail) or '(no output)'}")
+        why = (f"did not finish within {timed_out:.0f} s (a smaller --sizes range, --max-op-time or a coarser "
+               f"--bucket-precision measures less)" if timed_out is not None
+               else f"failed (exit status {exit_codes_text(codes)})")
+        raise RunFailed(f"the calibration ranks {why}: {' | '.join(tail) or '(no output)'}")
     return json.loads(Path(plan.out).read_text())
 
 
