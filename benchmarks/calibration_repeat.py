@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from neuronabox.collectives import Op  # noqa: E402
+from neuronabox.errors import InputError  # noqa: E402
 from neuronabox.fidelity.calibrate import BUCKET_PRECISION, default_sizes, parse_precision, run_calibration  # noqa: E402
 from neuronabox.fidelity.profile import save_profile  # noqa: E402
 from neuronabox.fidelity.resample import bootstrap, figure_draws, halves, refit, relative_sd, spread  # noqa: E402
@@ -174,13 +175,18 @@ def main() -> None:
                                       "between-calibration spread includes their load.",
                     help="how busy the machine was, for the record")
     args = ap.parse_args()
+    try:
+        args.bucket_precision = parse_precision(args.bucket_precision, "--bucket-precision")
+    except InputError as e:
+        ap.error(str(e))
     t0 = time.time()
     rng = random.Random(20261203)  # the resampling is the same on every run of the same profiles
     old = json.loads(args.source.read_text()) if args.source else None
     cmd = (f".venv/bin/python benchmarks/calibration_repeat.py --from {args.source} --out {args.out}" if old else
            f"sudo .venv/bin/python benchmarks/calibration_repeat.py --calibrations {args.calibrations} "
            f"--rates {args.rates} --draws {args.draws} --out {args.out}" + (" --cluster-each" if args.cluster_each else "")
-           + (f" --bucket-precision {args.bucket_precision}" if args.bucket_precision != "0.5%" else ""))
+           + (f" --bucket-precision {f'{args.bucket_precision:.2%}' if args.bucket_precision else 'off'}"
+              if args.bucket_precision != BUCKET_PRECISION else ""))
     doc: dict = {"command": cmd, "rates": {}}
     lines = ["# Calibration repeatability", "", f"`{cmd}`", "",
              args.note + (" Each calibration on a fresh cluster of its own." if args.cluster_each else
@@ -202,7 +208,7 @@ def main() -> None:
                 ops = {arch: [tuple(x) for x in w["ops"]] for arch, w in rd["workloads"].items()}
             else:
                 topo_file, profiles, paths = calibrate_all(mbit, args.calibrations, folder, t0, not args.cluster_each,
-                                                           parse_precision(args.bucket_precision, "--bucket-precision"))
+                                                           args.bucket_precision)
                 ops = {arch: workload_ops(topo_file, paths[0], arch, folder) for arch in ARCHS}
             topo = load_topology(topo_file)
             rate_doc, rate_lines = analyse(topo, profiles, ops, args.draws, rng)

@@ -127,9 +127,9 @@ def test_the_ranks_time_limit_grows_with_the_top_up_budget_and_a_timeout_says_so
     assert _time_limit(fine, 900.0) == pytest.approx(900.0 + 2 * 400 * 0.15 * (0.005 / 0.0015) ** 2)
     (tmp_path / "rank0.log").write_text("all_reduce 8388608 B  708327.3 us\n")
     with pytest.raises(RunFailed, match=r"did not finish within 1020 s .*coarser --bucket-precision.*: all_reduce 8388608"):
-        _read_measured(default, [-15, -15], tmp_path, 1020.0)
+        _read_measured(default, [-15, -15], tmp_path, 1020.0, 1020.05)
     with pytest.raises(RunFailed, match=r"failed \(exit status"):
-        _read_measured(default, [1, 0], tmp_path)
+        _read_measured(default, [1, 0], tmp_path, 1020.0, 12.0)
 
 
 def synthetic_profile(tmp_path, topology=TWO):

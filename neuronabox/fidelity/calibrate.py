@@ -187,7 +187,7 @@ def run_calibration(
             started = time.monotonic()
             _, codes = launch_real(up.name, topology, worker, None, timeout=limit, record_only=False,
                                    log_dir=Path(tmp))
-            measured = _read_measured(plan, codes, Path(tmp), limit if time.monotonic() - started >= limit else None)
+            measured = _read_measured(plan, codes, Path(tmp), limit, time.monotonic() - started)
     settle_times(measured)
     n = topology.world_size
     fits = fit_measured(measured, n)
@@ -246,7 +246,7 @@ def run_intra_node(
         limit = _time_limit(plan, timeout)
         started = time.monotonic()
         codes = run_ranks(worker, envs, pres, timeout=limit, log_dir=Path(tmp))
-        measured = _read_measured(plan, codes, Path(tmp), limit if time.monotonic() - started >= limit else None)
+        measured = _read_measured(plan, codes, Path(tmp), limit, time.monotonic() - started)
     settle_times(measured)
     return {"ranks": n, "device": node.device, "library": library_info(backend),
             "ops": {k: v.as_dict() for k, v in fit_measured(measured, n).items()},
@@ -283,15 +283,15 @@ def _time_limit(plan: "WorkerPlan", timeout: float) -> float:
     return timeout + 2.0 * plan.topup_total_s
 
 
-def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path, timed_out: float | None = None) -> dict:
-    """What rank 0 wrote, or the ranks' failure with rank 0's last lines (``timed_out``: the limit they ran past)."""
+def _read_measured(plan: "WorkerPlan", codes: list[int], logs: Path, limit: float = math.inf, ran_s: float = 0.0) -> dict:
+    """What rank 0 wrote, or the ranks' failure with rank 0's last lines (a timeout where they ran ``limit`` seconds)."""
     from .real_system import exit_codes_text
 
     if any(codes) or not Path(plan.out).exists():
         log = logs / "rank0.log"
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-        why = (f"did not finish within {timed_out:.0f} s (a smaller --sizes range, --max-op-time or a coarser "
-               f"--bucket-precision measures less)" if timed_out is not None
+        why = (f"did not finish within {limit:.0f} s (a smaller --sizes range, --max-op-time or a coarser "
+               f"--bucket-precision measures less)" if ran_s >= limit
                else f"failed (exit status {exit_codes_text(codes)})")
         raise RunFailed(f"the calibration ranks {why}: {' | '.join(tail) or '(no output)'}")
     return json.loads(Path(plan.out).read_text())
