@@ -36,12 +36,15 @@ emulation: {{library: gloo, real_ranks: [0]}}
 """
 MODEL_TOLERANCE = 0.01
 AGAIN_FLOOR = 0.005
+BUCKET_PRECISION = "0.5%"  # nbox validate --calibrate-bucket-precision's default
 
 
-def one(topo_file: Path, arch: str, repeats: int, steps: int, warmup: int, out: Path) -> dict:
+def one(topo_file: Path, arch: str, repeats: int, steps: int, warmup: int, out: Path,
+        bucket_precision: str = BUCKET_PRECISION) -> dict:
     """One ``nbox validate --calibrate`` run; its JSON document (plus its seconds and exit status)."""
     cmd = [sys.executable, "-m", "neuronabox.cli", "validate", str(topo_file), "--calibrate",
            "--calibrate-ops", "all_reduce,broadcast", "--calibrate-sizes", "4B:8MiB",
+           "--calibrate-bucket-precision", bucket_precision,
            "--modes", "model,wire,real-again", "--repeats", str(repeats), "--warmup", str(warmup),
            "--json", str(out), "--", sys.executable, str(ROOT / "examples" / "fidelity_models.py"),
            "--arch", arch, "--steps", str(steps)]
@@ -98,6 +101,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="nbox validate --repeats")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--bucket-precision", default=BUCKET_PRECISION,
+                    help="nbox validate --calibrate-bucket-precision of every calibration (finer: more samples from 256 KiB up)")
     ap.add_argument("--out", default="validate_repeat")
     ap.add_argument("--note", default="", help="a line on the machine and its load, for the record")
     ap.add_argument("--render", type=Path, help="only rewrite the Markdown from this JSON")
@@ -107,7 +112,8 @@ def main() -> None:
         args.render.with_suffix(".md").write_text(render(doc))
         return
     cmd = (f"sudo .venv/bin/python benchmarks/validate_repeat.py --rates {args.rates} --archs {args.archs} "
-           f"--validations {args.validations} --repeats {args.repeats} --steps {args.steps} --warmup {args.warmup}")
+           f"--validations {args.validations} --repeats {args.repeats} --steps {args.steps} --warmup {args.warmup}"
+           + (f" --bucket-precision {args.bucket_precision}" if args.bucket_precision != BUCKET_PRECISION else ""))
     doc: dict = {"command": cmd, "note": args.note, "loadavg_before": os.getloadavg(), "rows": []}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="nbox-vrep-") as tmp:
@@ -118,7 +124,8 @@ def main() -> None:
             # of the host falls on all of them alike.
             for run in range(1, args.validations + 1):
                 for arch in args.archs.split(","):
-                    v = one(topo_file, arch, args.repeats, args.steps, args.warmup, Path(tmp) / f"{mbit}-{arch}-{run}.json")
+                    v = one(topo_file, arch, args.repeats, args.steps, args.warmup, Path(tmp) / f"{mbit}-{arch}-{run}.json",
+                            args.bucket_precision)
                     c = cell(v)
                     doc["rows"].append({"mbit": mbit, "arch": arch, "run": run, "cell": c, "validation": v})
                     print(f"{mbit} Mbit/s {arch} run {run}: model {pct(c['model'])}, real-again {pct(c['real-again'])}, "

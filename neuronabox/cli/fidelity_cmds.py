@@ -101,6 +101,9 @@ def validate(
         "2%", "--calibrate-precision", help="With --calibrate: nbox calibrate --precision (off: the sweep's passes only)."),
     calibrate_budget: str = typer.Option(
         "150ms", "--calibrate-budget", help="With --calibrate: nbox calibrate --budget (measuring time per size)."),
+    calibrate_bucket_precision: str = typer.Option(
+        "0.5%", "--calibrate-bucket-precision", help="With --calibrate: nbox calibrate --bucket-precision (finer: more "
+        "samples from 256 KiB up, where DDP's buckets are, and a longer calibration)."),
     twin: bool = typer.Option(
         True, "--twin/--no-twin",
         help="Load twin (default on): during each emulated run, every other rank of the real system runs as its own "
@@ -152,11 +155,14 @@ def validate(
         raise InputError("--calibrate-precision: only read with --calibrate")
     if calibrate_budget != "150ms" and not calibrate:
         raise InputError("--calibrate-budget: only read with --calibrate")
+    if calibrate_bucket_precision != "0.5%" and not calibrate:
+        raise InputError("--calibrate-bucket-precision: only read with --calibrate")
     if (mesh is not None or role_repeats != 3) and roles is None:
         raise InputError("--mesh and --role-repeats: only read with --roles")
     cal_ops = parse_ops(calibrate_ops, "--calibrate-ops") if calibrate else None
     cal_sizes = parse_size_range(calibrate_sizes, "--calibrate-sizes") if calibrate else None
     cal_precision = parse_precision(calibrate_precision, "--calibrate-precision")
+    cal_bucket = parse_precision(calibrate_bucket_precision, "--calibrate-bucket-precision")
     try:
         cal_budget_s = parse_duration(calibrate_budget)
     except UnitError as exc:
@@ -168,7 +174,8 @@ def validate(
     v = run_validation(topology, command, iterations=iterations, warmup=warmup, repeats=repeats, tolerance=tol,
                        modes=mode_list, model=model, profile=profile, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
                        keep_logs=logs, twin=twin, calibrate_ops=cal_ops, calibrate_sizes=cal_sizes,
-                       calibrate_precision=cal_precision, calibrate_budget_s=cal_budget_s, real_rank=rank,
+                       calibrate_precision=cal_precision, calibrate_budget_s=cal_budget_s,
+                       calibrate_bucket_precision=cal_bucket, real_rank=rank,
                        role_profile=role_profile, roles=roles, mesh=mesh, role_repeats=role_repeats,
                        against=against or None)
     rows = error_table(v)

@@ -233,6 +233,7 @@ def run_validation(
     calibrate_sizes: tuple[int, int] | None = None,
     calibrate_precision: float = 0.02,
     calibrate_budget_s: float = 0.15,
+    calibrate_bucket_precision: float | None = None,
     real_rank: int | None = None,
     role_profile: Path | None = None,
     roles: str | None = None,
@@ -246,7 +247,7 @@ def run_validation(
     when the real system's ranks do not share one machine. ``calibrate_ops``: first calibrate
     these collectives (at sizes ``calibrate_sizes``, MIN and MAX, else calibrate's default; each
     size's median to ``calibrate_precision``, 0: the sweep's passes only; ``calibrate_budget_s`` of
-    measuring a size) on
+    measuring a size; ``calibrate_bucket_precision``: calibrate's ``--bucket-precision``, None its default) on
     the validation's own cluster (``nbox calibrate``'s sweep) and run the
     emulated systems on that profile, written to ``profile`` (else to ``keep_logs``, else dropped).
     ``real_rank``: the emulated runs' real rank, the one the real system records (default the
@@ -335,7 +336,7 @@ def run_validation(
             # On the cluster the runs use, right before them: a profile measured minutes or a
             # cluster instance earlier reads this machine's state then (docs/guide/validate.md).
             profile = _calibrate_here(topo, up.name, calibrate_ops, calibrate_sizes, calibrated_to, keep_logs or tmp, say,
-                                      calibrate_precision, calibrate_budget_s)
+                                      calibrate_precision, calibrate_budget_s, calibrate_bucket_precision)
             effective = with_profile(topo, profile, None)
         if roles is not None:
             role_profile = _profile_here(topology_file, topo, command, roles, mesh, role_repeats, model, profile,
@@ -425,14 +426,15 @@ def _run_real(cluster: str, topo, command: Sequence[str], rec: Path, logs: Path,
 
 
 def _calibrate_here(topo, cluster: str, ops: Sequence, sizes: tuple[int, int] | None, out: Path | None, folder: Path,
-                    say, precision: float = 0.02, budget_s: float = 0.15) -> Path:
+                    say, precision: float = 0.02, budget_s: float = 0.15, bucket_precision: float | None = None) -> Path:
     """``nbox calibrate``'s network sweep of ``ops`` on ``cluster``; the profile's path (``out``, else in ``folder``)."""
-    from .calibrate import DEFAULT_SIZES, default_sizes, parse_size_range, run_calibration
+    from .calibrate import BUCKET_PRECISION, DEFAULT_SIZES, default_sizes, parse_size_range, run_calibration
     from .profile import save_profile
 
     say(f"calibrating {', '.join(o.value for o in ops)} on this cluster")
     doc = run_calibration(topo, ops, default_sizes(*(sizes or parse_size_range(DEFAULT_SIZES))), cluster=cluster,
-                          precision=precision, budget_s=budget_s, progress=say)
+                          precision=precision, budget_s=budget_s,
+                          bucket_precision=BUCKET_PRECISION if bucket_precision is None else bucket_precision, progress=say)
     path = Path(out if out is not None else folder / "profile.json").resolve()
     save_profile(doc, path)
     say(f"calibrated in {doc['meta']['seconds']:.0f} s: {path}")
