@@ -44,7 +44,7 @@ def one(topo_file: Path, arch: str, repeats: int, steps: int, warmup: int, out: 
     """One ``nbox validate --calibrate`` run; its JSON document (plus its seconds and exit status)."""
     cmd = [sys.executable, "-m", "neuronabox.cli", "validate", str(topo_file), "--calibrate",
            "--calibrate-ops", "all_reduce,broadcast", "--calibrate-sizes", "4B:8MiB",
-           "--calibrate-bucket-precision", bucket_precision,
+           "--calibrate-bucket-precision", bucket_precision, "--profile", str(out.with_suffix(".profile.json")),
            "--modes", "model,wire,real-again", "--repeats", str(repeats), "--warmup", str(warmup),
            "--json", str(out), "--", sys.executable, str(ROOT / "examples" / "fidelity_models.py"),
            "--arch", arch, "--steps", str(steps)]
@@ -54,6 +54,12 @@ def one(topo_file: Path, arch: str, repeats: int, steps: int, warmup: int, out: 
         raise SystemExit(f"nbox validate ({arch}) wrote no {out}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
     doc = json.loads(out.read_text())
     doc["seconds_all"] = time.time() - t0
+    # The calibration's host figures, which the model mode spends or waits (a model error that
+    # tracks one of them across validations points at that mechanism).
+    prof = out.with_suffix(".profile.json")
+    if prof.exists():
+        cal = json.loads(prof.read_text())
+        doc["calibration"] = {k: cal.get(k) for k in ("cpu_cost", "busy_progress", "spin_stall")}
     doc["exit"] = proc.returncode
     return doc
 
@@ -82,13 +88,15 @@ def render(doc: dict) -> str:
              "Each row: one `nbox validate --calibrate --modes model,wire,real-again` run on its own cluster with its "
              f"own calibration. Must hold: model error within {MODEL_TOLERANCE:.0%} wherever real-again's own error is "
              f"within {AGAIN_FLOOR:.1%} (`n/a`: the real system missed its own {AGAIN_FLOOR:.1%} in that run).", "",
-             "| rate | workload | run | real median (ms) | real spread | model error | wire error | real-again error | holds | s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---:|"]
+             "| rate | workload | run | real median (ms) | real spread | model error | wire error | real-again error | holds "
+             "| calibrated CPU (ns/B) | s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in doc["rows"]:
         c = r["cell"]
+        cpu = ((r["validation"].get("calibration") or {}).get("cpu_cost") or {}).get("per_byte_s")
         lines.append(f"| {r['mbit']} Mbit/s | {r['arch']} | {r['run']} | {c['real_median_s'] * 1e3:.2f} | "
                      f"{c['real_spread'] or 0:.2%} | {pct(c['model'])} | {pct(c['wire'])} | {pct(c['real-again'])} | "
-                     f"{c['held']} | {c['seconds']:.0f} |")
+                     f"{c['held']} | {'-' if cpu is None else f'{cpu * 1e9:.1f}'} | {c['seconds']:.0f} |")
     lines += ["", f"({doc.get('seconds', 0):.0f} s in all)"]
     return "\n".join(lines) + "\n"
 
