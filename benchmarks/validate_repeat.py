@@ -42,9 +42,10 @@ BUCKET_PRECISION = "0.5%"  # nbox validate --calibrate-bucket-precision's defaul
 def one(topo_file: Path, arch: str, repeats: int, steps: int, warmup: int, out: Path,
         bucket_precision: str = BUCKET_PRECISION) -> dict:
     """One ``nbox validate --calibrate`` run; its JSON document (plus its seconds and exit status)."""
+    prof = out.with_suffix(".profile.json")
     cmd = [sys.executable, "-m", "neuronabox.cli", "validate", str(topo_file), "--calibrate",
            "--calibrate-ops", "all_reduce,broadcast", "--calibrate-sizes", "4B:8MiB",
-           "--calibrate-bucket-precision", bucket_precision, "--profile", str(out.with_suffix(".profile.json")),
+           "--calibrate-bucket-precision", bucket_precision, "--profile", str(prof),
            "--modes", "model,wire,real-again", "--repeats", str(repeats), "--warmup", str(warmup),
            "--json", str(out), "--", sys.executable, str(ROOT / "examples" / "fidelity_models.py"),
            "--arch", arch, "--steps", str(steps)]
@@ -56,7 +57,6 @@ def one(topo_file: Path, arch: str, repeats: int, steps: int, warmup: int, out: 
     doc["seconds_all"] = time.time() - t0
     # The calibration's host figures, which the model mode spends or waits (a model error that
     # tracks one of them across validations points at that mechanism).
-    prof = out.with_suffix(".profile.json")
     if prof.exists():
         cal = json.loads(prof.read_text())
         doc["calibration"] = {k: cal.get(k) for k in ("cpu_cost", "busy_progress", "spin_stall")}
