@@ -295,3 +295,36 @@ def test_aws_tuner_forced_on_another_fabric_and_respects_nccl_proto():
     # NCCL_PROTO=Simple leaves LL128 ignored in the cost table: the plugin's LL128 regions are skipped.
     model = create_model(efa_topo(nodes=4, proto="Simple"), "nccl")
     assert model.estimate(Op.ALL_REDUCE, 128 << 20, range(32)).protocol == "Simple"
+
+
+def _channels_topo(extra: str, algo: str = "auto"):
+    text = H100.format(nodes=2, rpn=8, algo=algo, proto="auto", version="2.28").replace(
+        "hardware: none}", "hardware: h100-ib" + extra + "}")
+    return parse_topology(text, "t.yaml")
+
+
+def test_min_and_max_channels_change_the_time_not_the_algorithm():
+    """NCCL_MIN_CTAS / NCCL_MAX_CTAS: the communicator runs on more or fewer channels, and each channel moves at most channel_GBps."""
+    default = create_model(_channels_topo(""), "nccl")
+    more = create_model(_channels_topo(", min_channels: 24"), "nccl")
+    fewer = create_model(_channels_topo(", max_channels: 2"), "nccl")
+    group = list(range(16))
+    for nbytes in (1 << 16, 1 << 20, 1 << 24, 1 << 30):
+        d, m, f = (x.estimate(Op.ALL_REDUCE, nbytes, group) for x in (default, more, fewer))
+        assert d.algorithm == m.algorithm  # tuning reads the searched graph (only ring's plateau reads the channels)
+        assert m.duration <= d.duration <= f.duration
+    tables = {x: next(iter(x._tables.values())).n_channels for x in (default, more, fewer)}
+    assert tables[default] == 16 and tables[more] == 24 and tables[fewer] == 2
+    # a ring on two channels cannot fill the NICs: large sizes take longer (small ones used few channels anyway)
+    ring, ring2 = (create_model(_channels_topo(e, algo="ring"), "nccl") for e in ("", ", max_channels: 2"))
+    for nbytes in (1 << 24, 1 << 30):
+        assert ring2.estimate(Op.ALL_REDUCE, nbytes, group).duration > ring.estimate(Op.ALL_REDUCE, nbytes, group).duration
+
+
+def test_min_channels_above_max_channels_is_refused():
+    with pytest.raises(TopologyError) as err:
+        _channels_topo(", min_channels: 24, max_channels: 8")
+    assert "min_channels 24 is above max_channels 8" in str(err.value)
+    with pytest.raises(TopologyError) as err:
+        _channels_topo(", min_channels: 0")
+    assert "min_channels" in str(err.value)

@@ -230,6 +230,15 @@ class Emulation(_Strict):
         description="who picks the nccl model's algorithm/protocol: nccl (NCCL's own tuning), aws-ofi (the "
         "aws-ofi-nccl plugin's p5/p5e region tuner, where it applies), auto (aws-ofi when network.fabric is efa)",
     )
+    min_channels: int | None = Field(
+        None, ge=1, le=64, strict=True,
+        description="NCCL_MIN_CTAS (NCCL_MIN_NCHANNELS): the nccl model runs each communicator on at least this many "
+        "channels, as NCCL duplicates its rings; the algorithm NCCL picks stays that of its searched graph",
+    )
+    max_channels: int | None = Field(
+        None, ge=1, le=64, strict=True,
+        description="NCCL_MAX_CTAS (NCCL_MAX_NCHANNELS): the nccl model runs each communicator on at most this many channels",
+    )
     hardware: str | None = Field(
         None,
         description="hardware profile that times the nccl model's choices: a shipped profile's name, a file (relative "
@@ -251,6 +260,12 @@ class Emulation(_Strict):
         description="calibration profile (written by nbox calibrate) that model calibrated reads; a path, relative "
         "to this file's folder; naming one makes calibrated the default model",
     )
+
+    @model_validator(mode="after")
+    def _channel_bounds(self) -> "Emulation":
+        if self.min_channels is not None and self.max_channels is not None and self.min_channels > self.max_channels:
+            raise ValueError(f"min_channels {self.min_channels} is above max_channels {self.max_channels}")
+        return self
 
     @model_validator(mode="before")
     @classmethod
