@@ -158,3 +158,18 @@ def test_signal_exits_leave_an_ignored_signal_ignored():
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_bench_names_the_channel_bounds_and_refuses_crossed_ones(tmp_path):
+    """emulation.min_channels / max_channels (NCCL_MIN_CTAS / NCCL_MAX_CTAS) show in the header; min above max exits 2."""
+    text = ("cluster: {nodes: 2, ranks_per_node: 8, device: H100}\n"
+            "network: {type: rail-optimized, link: {bandwidth: 400Gbps, latency: 2us}}\n"
+            "emulation: {model: nccl, %s}\n")
+    (tmp_path / "t.yaml").write_text(text % "min_channels: 24", encoding="utf-8")
+    r = run_nbox("bench", str(tmp_path / "t.yaml"), "-b", "1M", "-e", "1M")
+    assert r.returncode == 0, r.stderr
+    assert ", min_channels 24" in r.stdout.splitlines()[1]
+    (tmp_path / "t.yaml").write_text(text % "min_channels: 24, max_channels: 8", encoding="utf-8")
+    r = run_nbox("bench", str(tmp_path / "t.yaml"))
+    assert r.returncode == 2 and "t.yaml" in r.stderr and "min_channels 24 is above max_channels 8" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

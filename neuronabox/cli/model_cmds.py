@@ -147,13 +147,21 @@ def bench(
         f"nbox bench: topology {topo.name} ({topo.source}), {group.size} of {topo.world_size} ranks "
         f"on {len({topo.rank_node[r] for r in group.ranks})} nodes",
         f"model {m.name}, algorithm {m.algorithm}" + (f", protocol {m.protocol}" if m.protocol not in ("", "auto") else "")
-        + (f", hardware profile {hw}" if (hw := getattr(getattr(m, "inner", m), "hardware_source", "")) else ""),
+        + (f", hardware profile {hw}" if (hw := getattr(getattr(m, "inner", m), "hardware_source", "")) else "")
+        + _channel_bounds(topo),
         f"minBytes {sizes[0]} maxBytes {sizes[-1]} step: {stepbytes or f'{stepfactor:g}(factor)'}",
     ]
     for i, o in enumerate(ops):
         sys.stdout.write(format_table([r for r in rows if r.op == o.value], header if i == 0 else []) + "\n\n")
     if json_out:
         console.print(f"wrote {json_out}")
+
+
+def _channel_bounds(topo) -> str:
+    """The header's note of the channel bounds the topology sets (NCCL_MIN_CTAS / NCCL_MAX_CTAS), if any."""
+    em = topo.emulation
+    parts = [f"{k} {v}" for k, v in (("min_channels", em.min_channels), ("max_channels", em.max_channels)) if v]
+    return f", {', '.join(parts)}" if parts else ""
 
 
 def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
@@ -172,5 +180,5 @@ def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
         head = [f"nbox bench --compare: topology {topo.name} ({topo.source}), {measured.log.ranks} ranks on "
                 f"{measured.n_nodes} node(s)", f"log {path}: {measured.log.op.value}"
                 + (f", NCCL {measured.log.nccl_version}" if measured.log.nccl_version else ""),
-                f"model {m.name}" + (f", hardware profile {where}" if where else "")]
+                f"model {m.name}" + (f", hardware profile {where}" if where else "") + _channel_bounds(topo)]
         sys.stdout.write(format_compare(rows, head) + "\n\n")
