@@ -1,17 +1,19 @@
 """The archives ``nbox images build`` hands the engine: two archives in a row read as one (``docker import`` of a
 base's export and the wheels), and GNU tar's layout of the staged folders (image paths, root-owned, no folder
-named twice)."""
+named twice), and what an interrupted mmdebstrap leaves (removed, unless a mount is left in it)."""
 
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
 import tarfile
 
 import pytest
 
-from neuronabox.cluster.images import _members, _tar_command
+from neuronabox.cluster.images import _members, _mounts_under, _remove_unmounted, _tar_command
+from neuronabox.errors import RunFailed
 
 
 def archive(members: dict[str, bytes], fmt=tarfile.PAX_FORMAT) -> bytes:
@@ -53,3 +55,32 @@ def test_staged_folders_go_in_under_their_image_paths_owned_by_root_without_the_
     assert sorted(m.name for m in members) == ["usr/lib/python3/dist-packages/pkg", "usr/lib/python3/dist-packages/pkg/a.py",
                                                "usr/lib/python3/dist-packages/top.pth", "usr/local/bin/nbox"]
     assert {(m.uid, m.gid) for m in members} == {(0, 0)}
+
+
+def test_what_an_interrupted_mmdebstrap_leaves_is_removed(tmp_path):
+    """Its gpg home (left when a Ctrl-C lands before its END blocks run) goes with its own folder."""
+    own = tmp_path / "nbox-images-mmdebstrap-x"
+    (own / "mmdebstrap.gpghome.abc").mkdir(parents=True)
+    (own / "mmdebstrap.gpghome.abc" / "trustdb.gpg").write_bytes(b"")
+    _remove_unmounted(own)
+    assert not own.exists()
+    _remove_unmounted(own)  # already gone: nothing to do
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_chroot_with_a_mount_left_in_it_is_named_not_walked_into(tmp_path):
+    """A killed mmdebstrap can leave /dev mounted in its chroot: removing the folder would empty the host's."""
+    own = tmp_path / "nbox-images-mmdebstrap-y"
+    dev = own / "mmdebstrap.chroot" / "dev"
+    dev.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(dev)], check=True)
+    try:
+        (dev / "keep").write_text("x")
+        assert _mounts_under(own) == [str(dev)]
+        with pytest.raises(RunFailed, match=f"{dev} mounted"):
+            _remove_unmounted(own)
+        assert (dev / "keep").exists()
+    finally:
+        subprocess.run(["umount", str(dev)], check=True)
+    _remove_unmounted(own)
+    assert not own.exists()

@@ -22,7 +22,7 @@ A cold build starts at once everything it needs that waits on nobody (the base, 
 each image, the project's wheel) and stages in memory where a tmpfs has room (``scratch_dir``).
 The engine is reached through the Docker SDK only (``docker_runtime.client``). A build that is
 interrupted leaves no tag: each tag is set by the engine's last step; the staging container,
-the staging folder and mmdebstrap's chroot are removed on the way out.
+the staging folder and mmdebstrap's chroot and gpg home are removed on the way out.
 """
 
 from __future__ import annotations
@@ -123,6 +123,30 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
         raise RunFailed(f"images build: {what} failed ({p.returncode}): {tail}")
 
 
+def _mounts_under(folder: Path) -> list[str]:
+    """The mount points at or below ``folder``, from this process's mountinfo."""
+    top = str(folder.resolve())
+    with open("/proc/self/mountinfo") as f:
+        # Field 5 is the mount point, with space, tab, newline and backslash octal-escaped (\040).
+        points = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), ln.split()[4]) for ln in f)
+        return [m for m in points if m == top or m.startswith(top + "/")]
+
+
+def _remove_unmounted(folder: Path) -> None:
+    """Remove what a build step left in ``folder``, unless something is still mounted there.
+
+    An interrupted mmdebstrap may leave its gpg home (it removes it only on a normal exit), or, when
+    killed outright, its chroot with /proc and /dev still mounted: removing that would walk into the
+    host's /dev, so it is left and named."""
+    if not folder.exists():
+        return
+    mounted = _mounts_under(folder)
+    if mounted:
+        raise RunFailed(f"images build: {folder} still has {mounted[0]} mounted; "
+                        f"umount it (umount -R {mounted[0]}) and remove {folder}")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def scratch_dir() -> str | None:
     """Where a build stages its files and mmdebstrap its chroots: a roomy tmpfs (/dev/shm), else None (TMPDIR).
 
@@ -166,8 +190,14 @@ def _debian_rootfs(client, ref: str, packages: Sequence[str], changes: Sequence[
            f"--customize-hook=sync-out /var/cache/apt/archives {cache}",
            "--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*",
            SUITE, str(tar), MIRROR]
-    # Its chroot beside our staging folder (the tmpfs when there is one).
-    _run(cmd, "mmdebstrap", env={**os.environ, "TMPDIR": str(work.parent)})
+    # Its chroot and gpg home in a folder of its own beside our staging folder (the tmpfs when there
+    # is one): not inside it, where the staging folder's removal could walk into a mount that a
+    # killed mmdebstrap left on its chroot.
+    own = Path(tempfile.mkdtemp(prefix="nbox-images-mmdebstrap-", dir=work.parent))
+    try:
+        _run(cmd, "mmdebstrap", env={**os.environ, "TMPDIR": str(own)})
+    finally:
+        _remove_unmounted(own)
     repo, tag = ref.rsplit(":", 1)
     say(f"docker import {ref}")
     client.api.import_image_from_file(str(tar), repository=repo, tag=tag, changes=list(changes))
