@@ -173,10 +173,11 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
             model.use_hardware(section, section)
             for r in rs:
                 got.append(model.estimate(m.log.op, r.size, m.group).duration * 1e6)
-        # Every row weighs the same. Rows below 1 MiB at a third (their tolerance is 15 % against 5 %)
-        # were tried on the 45 published logs: own-log fits within 3 % at every size >= 1 MiB went
-        # 7 -> 13, but those within 15 % below 1 MiB 9 -> 3 of 23 and the leave-one-out median at
-        # >= 1 MiB 10.2 -> 12.8 %: a trade between sizes, not a better model.
+        # Every row weighs the same. Rows below 1 MiB at 1/2, 1/3, 1/5 (their tolerance is 15 % against
+        # 5 %) fitted each log better at >= 1 MiB (own-log fits within 3 % at every size: 7 -> 13-15
+        # of 45) but predicted the systems left out worse (mean error at >= 1 MiB 14.9 -> 15.6-16.5 %)
+        # and the small sizes worse: a trade between sizes and machines, not a better model
+        # (benchmarks/results/published_accuracy_row_weight.md).
         return np.concatenate([np.log(got) - measured_t, weight * (x - x0)])
 
     # Three starts, the best fit wins: without and with a ramp (the cost is not convex in it), and at
