@@ -177,7 +177,7 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
         # 5 %) fitted each log better at >= 1 MiB (own-log fits within 3 % at every size: 7 -> 13-15
         # of 45) but predicted the systems left out worse (mean error at >= 1 MiB 14.9 -> 15.6-16.5 %)
         # and the small sizes worse: a trade between sizes and machines, not a better model
-        # (benchmarks/results/published_accuracy_row_weight.md).
+        # (benchmarks/results/published_accuracy_fit_objective.md).
         return np.concatenate([np.log(got) - measured_t, weight * (x - x0)])
 
     # Three starts, the best fit wins: without and with a ramp (the cost is not convex in it), and at
