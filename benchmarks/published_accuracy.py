@@ -36,6 +36,7 @@ from neuronabox.fidelity.hardware_fit import Measured, fit_section, measured_poi
 from neuronabox.fidelity.nccl_log import read_log  # noqa: E402
 from neuronabox.model import hardware  # noqa: E402
 from neuronabox.model.hardware import HardwareProfile, Match, as_yaml  # noqa: E402
+from neuronabox.report.nccl_tests import departures  # noqa: E402
 from neuronabox.topology import load_topology  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "published"
@@ -199,19 +200,11 @@ def main() -> None:
 
 
 def data_floor(points, lo: int = MIB) -> float:
-    """Half the largest departure of a size's time from the line through its two neighbours (sizes >= lo).
+    """Half the largest departure of a size's time (sizes >= lo) from the line through its two neighbours'.
 
-    A line ``a + b*S`` goes through any three such points exactly, so the departure is the log's
-    own roughness: the measurement noise, or a protocol switch between the neighbours. No model
-    that is one alpha-beta line around a size can come closer than half of it there (minimax).
+    No model that is one alpha-beta line around a size can come closer than that there (minimax).
     """
-    pts = sorted((s, t) for s, t, *_ in points)
-    worst = 0.0
-    for (s0, t0), (s1, t1), (s2, t2) in zip(pts, pts[1:], pts[2:]):
-        if s1 >= lo and s2 > s0:
-            w = (s1 - s0) / (s2 - s0)
-            worst = max(worst, abs(t1 - ((1 - w) * t0 + w * t2)) / t1 / 2)
-    return worst
+    return max((abs(d) / 2 for _, d, _ in departures([(s, t) for s, t, *_ in points], lo)), default=0.0)
 
 
 def write(table, profiles, seconds) -> None:

@@ -16,6 +16,7 @@ from neuronabox.fidelity.nccl_log import LogRow, NcclTestsLog, parse_log, read_l
 from neuronabox.model import hardware
 from neuronabox.model.hardware import Section
 from neuronabox.model.registry import create_model
+from neuronabox.report.nccl_tests import format_compare
 from neuronabox.topology import load_topology, parse_topology
 
 H100 = """
@@ -162,6 +163,19 @@ def test_step_latencies_hide_behind_a_long_transfer_and_the_fit_finds_how_far():
     fitted = hf.fit_section([hf.measured_points(topo, log)], network=False)
     worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(log.rows, hf.predict(m, fitted)))
     assert worst < 0.02 and fitted.overlap > 1.5
+
+
+def test_a_comparison_names_the_rows_the_log_itself_jumps_at_not_their_neighbours():
+    # h100-8x8-ib-ndr's published 8 MiB row takes 1272 µs between 204 µs at 4 MiB and 378 µs at 16 MiB:
+    # no model follows it, and the user should see that the log, not the model, is rough there.
+    sizes = [1 << i for i in range(20, 28)]
+    times = [100.0 + s / 50e3 for s in sizes]
+    rows = [(s, t, t, 1.0, 1.0, "ring/Simple") for s, t in zip(sizes, times)]
+    assert "Off the line" not in format_compare(rows, ["smooth"])
+    times[3] *= 4  # 8 MiB
+    rows = [(s, t, t, 1.0, 1.0, "ring/Simple") for s, t in zip(sizes, times)]
+    flagged = format_compare(rows, ["spike"]).splitlines()[-1]
+    assert flagged.startswith("# Off the line") and flagged.endswith(": 8388608 (+75.0%)")  # 3/4 of its time is the jump
 
 
 def test_calibrate_from_nccl_tests_writes_a_profile_the_topology_then_uses(tmp_path, truth_times):

@@ -7,7 +7,12 @@ from typing import Sequence
 from ..collectives import NCCL_TESTS_NAME, Op
 from ..model.bench import BenchRow
 
-__all__ = ["format_table"]
+__all__ = ["format_table", "format_compare", "departures", "ROUGH"]
+
+# A row further than this from the line through its neighbours is flagged under a comparison: half
+# of it, 3 %, is what `calibrate --from-nccl-tests` aims for at every size of 1 MiB and up.
+ROUGH = 0.06
+_MIB = 1 << 20
 
 
 def _time(us: float) -> str:
@@ -57,4 +62,36 @@ def format_compare(rows: Sequence[tuple[int, float, float, float, float, str]], 
         lines.append(f"# Largest |error| at >=1 MiB : {max(big):.1%} (mean {sum(big) / len(big):.1%}, {len(big)} sizes)")
     if small:
         lines.append(f"# Largest |error| below 1 MiB: {max(small):.1%} (mean {sum(small) / len(small):.1%}, {len(small)} sizes)")
+    rough = _spikes(departures([(r[0], r[1]) for r in rows]))
+    if rough:
+        lines.append(f"# Off the line through the sizes beside them by more than {ROUGH:.0%} (the log's noise, or NCCL "
+                     "switching protocol there; no smooth model comes closer than half of it): "
+                     + ", ".join(f"{size} ({d:+.1%})" for size, d in rough))
     return "\n".join(lines)
+
+
+def departures(points: Sequence[tuple[int, float]], lo: int = _MIB) -> list[tuple[int, float, float]]:
+    """(size, relative, µs) departure of each size >= ``lo`` between two others from the line through their times.
+
+    An alpha-beta model is a straight line in the size; three rows that are not on one line leave it
+    at least about half the middle one's relative departure at one of them. The departure is the
+    log's own roughness: measurement noise, or a protocol switch between the neighbours.
+    """
+    pts = sorted((s, t) for s, t in points if t > 0)
+    out = []
+    for (s0, t0), (s1, t1), (s2, t2) in zip(pts, pts[1:], pts[2:]):
+        if s1 >= lo and s2 > s0:
+            w = (s1 - s0) / (s2 - s0)
+            off = t1 - ((1 - w) * t0 + w * t2)
+            out.append((s1, off / t1, off))
+    return out
+
+
+def _spikes(deps: Sequence[tuple[int, float, float]]) -> list[tuple[int, float]]:
+    """Rows off by more than ROUGH that stand out from their neighbours (a spike bends both neighbours' lines too)."""
+    out = []
+    for i, (size, rel, off) in enumerate(deps):
+        beside = [abs(deps[j][2]) for j in (i - 1, i + 1) if 0 <= j < len(deps)]
+        if abs(rel) > ROUGH and all(abs(off) >= b for b in beside):
+            out.append((size, rel))
+    return out
