@@ -153,7 +153,7 @@ def test_step_latencies_hide_behind_a_long_transfer_and_the_fit_finds_how_far():
     rows = tuple(LogRow(s, s // 4, "float", 1, 1, 1, None, 0) for s in SIZES)
     m = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_REDUCE, rows, 8, (), (), None))
     added = [t for t, _ in hf.predict(m, TRUTH)]
-    truth = TRUTH.model_copy(update=dict(overlap=2.5))
+    truth = Section.model_validate({**TRUTH.model_dump(), "overlap": 2.5})  # one number: every protocol
     overlapped = [t for t, _ in hf.predict(m, truth)]
     ratios = [o / a for o, a in zip(overlapped, added)]
     assert max(ratios) <= 1 + 1e-9 and min(ratios) < 0.85  # never slower; mid sizes much faster
@@ -162,7 +162,24 @@ def test_step_latencies_hide_behind_a_long_transfer_and_the_fit_finds_how_far():
                                                   for s, t in zip(SIZES, overlapped)), 8, (), (), None)
     fitted = hf.fit_section([hf.measured_points(topo, log)], network=False)
     worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(log.rows, hf.predict(m, fitted)))
-    assert worst < 0.02 and fitted.overlap > 1.5
+    assert worst < 0.02 and fitted.overlap.Simple > 1.5
+
+
+def test_each_protocol_overlaps_its_own_way_and_the_fit_tells_them_apart():
+    # LL and LL128 carry a flag inside every line, so a receiver consumes data as it lands; Simple
+    # waits for a flag after each step. l40s-2-pcie-farmshare: LL's small sizes need a knee that
+    # Simple's straight line from 256 KiB to 128 MiB does not (own-log fit 3.4 % -> 1.4 %).
+    topo = parse_topology(H100.format(nodes=1, extra=", hardware: none"), "t.yaml")
+    rows = tuple(LogRow(s, s // 4, "float", 1, 1, 1, None, 0) for s in SIZES)
+    m = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_REDUCE, rows, 8, (), (), None))
+    truth = Section.model_validate({**TRUTH.model_dump(), "overlap": {"LL": 4.0, "LL128": 2.0, "Simple": 1.0}})
+    assert Section.model_validate({**TRUTH.model_dump(), "overlap": 2}).overlap.LL128 == 2.0  # one number: all three
+    times = [t for t, _ in hf.predict(m, truth)]
+    log = NcclTestsLog("x", Op.ALL_REDUCE, tuple(LogRow(s, s // 4, "float", t, 1, 1, None, 0)
+                                                  for s, t in zip(SIZES, times)), 8, (), (), None)
+    fitted = hf.fit_section([hf.measured_points(topo, log)], network=False)
+    worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(log.rows, hf.predict(m, fitted)))
+    assert worst < 0.02 and fitted.overlap.LL > 2 * fitted.overlap.Simple, (worst, fitted.overlap)
 
 
 def test_a_comparison_names_the_rows_the_log_itself_jumps_at_not_their_neighbours():
@@ -197,6 +214,8 @@ def test_calibrate_from_nccl_tests_writes_a_profile_the_topology_then_uses(tmp_p
     ("channel_GBps", {"LL": -1, "LL128": 20, "Simple": 20}, "node.channel_GBps.LL: Input should be greater than 0"),
     ("efficiency", {"LL": 0.5, "LL128": 0.9, "Simple": 1.2}, "node.efficiency.Simple: Input should be less than or equal to 1"),
     ("launch_us", float("nan"), "node.launch_us"),
+    ("overlap", {"LL": 0.5, "LL128": 1, "Simple": 1}, "node.overlap.LL: Input should be greater than or equal to 1"),
+    ("overlap", 9, "node.overlap.LL: Input should be less than or equal to 8"),
 ])
 def test_impossible_profiles_are_refused_with_exit_2(tmp_path, field, value, needle):
     doc = {"name": "bad", "node": TRUTH.model_dump(exclude_none=True)}

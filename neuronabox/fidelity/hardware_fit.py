@@ -59,7 +59,8 @@ def measured_points(topology: Topology, log: NcclTestsLog) -> Measured:
     return Measured(topology, log, group, n_nodes)
 
 
-def _vector_fields(section: Section, network: bool, p2p: bool = False) -> list[tuple[str, str | None, float, float, float]]:
+def _vector_fields(section: Section, network: bool, p2p: bool = False, per_protocol_overlap: bool = True,
+                   ) -> list[tuple[str, str | None, float, float, float]]:
     """(field, protocol, prior, low, high) for every value the fit moves (the p2p ramp only when a log times one)."""
     out: list[tuple[str, str | None, float, float, float]] = [("launch_us", None, section.launch_us or _LAUNCH_PRIOR_US, 0.05, 1e4)]
     for p in ("LL", "LL128", "Simple"):
@@ -72,8 +73,12 @@ def _vector_fields(section: Section, network: bool, p2p: bool = False) -> list[t
     out += [("nvls_efficiency", None, section.nvls_efficiency, 1e-3, 1.0), ("nvls_us", None, section.nvls_us, 0.05, 1e4),
             ("tree_efficiency", None, section.tree_efficiency, 1e-3, 1.0),
             ("half_bytes", None, section.half_bytes or 1.0, 1e-3, 1e10),  # prior: no ramp
-            ("ramp_exponent", None, section.ramp_exponent, 0.1, 4.0),
-            ("overlap", None, section.overlap, 1.0, 8.0)]  # prior: latency and transfer add up
+            ("ramp_exponent", None, section.ramp_exponent, 0.1, 4.0)]
+    # prior: 1, latency and transfer add up
+    if per_protocol_overlap:
+        out += [("overlap", p, getattr(section.overlap, p), 1.0, 8.0) for p in ("LL", "LL128", "Simple")]
+    else:
+        out.append(("overlap", None, section.overlap.Simple, 1.0, 8.0))
     if p2p:
         out += [("p2p_half_bytes", None, section.p2p_half_bytes or 1.0, 1e-3, 1e10)]  # prior: no ramp
     return out
@@ -141,8 +146,12 @@ def _usable_rows(m: Measured, min_size: int):
 
 
 def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
-                progress: Callable[[str], None] | None = None) -> Section:
-    """The section that best times ``measured`` (all of one scope: inside a node, or across nodes)."""
+                progress: Callable[[str], None] | None = None, per_protocol_overlap: bool = True) -> Section:
+    """The section that best times ``measured`` (all of one scope: inside a node, or across nodes).
+
+    ``per_protocol_overlap``: each protocol's overlap fitted apart (one machine's logs); False keeps
+    one for all three, which transfers better to machines the logs do not come from.
+    """
     import numpy as np
 
     try:
@@ -153,7 +162,7 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
     if not measured:
         raise InputError("no measurements to fit")
     prior = prior_section(measured, network)
-    fields = _vector_fields(prior, network, any(m.log.op in nccl._P2P_OPS for m in measured))
+    fields = _vector_fields(prior, network, any(m.log.op in nccl._P2P_OPS for m in measured), per_protocol_overlap)
     x0 = np.log([f[2] for f in fields])
     lo = np.log([f[3] for f in fields])
     hi = np.log([f[4] for f in fields])
@@ -192,13 +201,38 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
             ramped[i] = np.log(0.5)
         elif f[0] in ("efficiency", "nvls_efficiency", "tree_efficiency"):
             line_rate[i] = hi[i] - 1e-9
-    best = None
+    # With an overlap per protocol, each start twice: every value free, and the overlaps tied (one
+    # value, which is all a log that never switches protocol can tell) and then freed from that fit;
+    # neither alone finds the better minimum on every log.
+    ov = [i for i, f in enumerate(fields) if f[0] == "overlap"]
+    keep = [i for i in range(len(fields)) if i not in ov[1:]]
+
+    def expand(y):
+        x = np.empty(len(fields))
+        x[keep] = y
+        x[ov[1:]] = x[ov[0]]
+        return x
+
+    best = tied = None
+    nfev = 0
     for start in (x0, ramped, line_rate):
         res = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0, max_nfev=400)
+        nfev += res.nfev
         if best is None or res.cost < best.cost:
             best = res
+        if len(ov) > 1:
+            t = least_squares(lambda y: residuals(expand(y)), start[keep], bounds=(lo[keep], hi[keep]), x_scale=1.0,
+                              max_nfev=400)
+            nfev += t.nfev
+            if tied is None or t.cost < tied.cost:
+                tied = t
+    if tied is not None:
+        freed = least_squares(residuals, expand(tied.x), bounds=(lo, hi), x_scale=1.0, max_nfev=400)
+        nfev += freed.nfev
+        if freed.cost < best.cost:
+            best = freed
     if progress:
-        progress(f"fit: {best.nfev} evaluations, cost {best.cost:.4g}")
+        progress(f"fit: {nfev} evaluations, cost {best.cost:.4g}")
     return _section_from(np.exp(best.x), fields, network)
 
 

@@ -83,6 +83,14 @@ class Bandwidths(PerProtocol):
     Simple: GBps
 
 
+class Overlaps(PerProtocol):
+    """How far each protocol's step latencies hide behind its transfer (1 to 8)."""
+
+    LL: Annotated[float, Field(ge=1, le=8, allow_inf_nan=False)]
+    LL128: Annotated[float, Field(ge=1, le=8, allow_inf_nan=False)]
+    Simple: Annotated[float, Field(ge=1, le=8, allow_inf_nan=False)]
+
+
 class Section(_Strict):
     """What one scope (inside a node, or across nodes) achieves."""
 
@@ -101,11 +109,22 @@ class Section(_Strict):
         "curves rise over three decades of size, more slowly than one latency and one bandwidth allow",
     )
     ramp_exponent: float = Field(1.0, gt=0, le=4, allow_inf_nan=False, description="how steeply it rises there (1: as a latency would)")
-    overlap: float = Field(
-        1.0, ge=1, le=8, allow_inf_nan=False,
+    overlap: Overlaps = Field(
+        Overlaps(LL=1.0, LL128=1.0, Simple=1.0),
         description="how a collective's step latencies overlap its data movement once a channel has several slices "
-        "in flight: time = launch + (latency^k + transfer^k)^(1/k); 1 adds them (one slice), large k takes the larger",
+        "in flight: time = launch + (latency^k + transfer^k)^(1/k); 1 adds them (one slice), large k takes the larger. "
+        "Per protocol (one number is taken for all three): LL and LL128 carry a flag inside every 8- or 128-byte "
+        "line, so data is consumed as it lands, where Simple waits for a flag written after each step's data",
     )
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _one_overlap_for_all(cls, value: Any) -> Any:
+        # Profiles written before the overlap was per protocol hold one number.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {p: value for p in PROTOCOLS}
+        return value
+
     p2p_half_bytes: float = Field(
         0.0, ge=0, le=1e12, allow_inf_nan=False,
         description="direct transfers (all-to-all, send/recv): bytes per peer at which they reach half their "
@@ -245,6 +264,9 @@ def resolve_sections(hardware: str | None, source: str, device: str, intra: str,
 def as_yaml(profile: HardwareProfile) -> str:
     """The profile as a YAML file (what ``nbox calibrate --from-nccl-tests`` writes)."""
     data: dict[str, Any] = profile.model_dump(exclude_none=True)
+    for section in (data.get("node"), data.get("network")):
+        if section and len(set(section["overlap"].values())) == 1:
+            section["overlap"] = section["overlap"]["Simple"]  # one number for all three, as most profiles have
     return yaml.safe_dump(_rounded(data), sort_keys=False)
 
 

@@ -393,7 +393,7 @@ class NcclModel(CommModel):
         terms = t.hw_lat.get((func, cand.algo, cand.proto))
         if terms is None:
             terms = t.hw_lat[(func, cand.algo, cand.proto)] = self._hw_terms(t, func, cand)
-        lat, threshold, ch_bw, cap, mult = terms
+        lat, threshold, ch_bw, cap, mult, k = terms
         h = t.hw
         if threshold:
             # NCCL runs small operations on fewer channels than the communicator has (enqueue's
@@ -406,7 +406,6 @@ class NcclModel(CommModel):
         transfer = nbytes / (1000.0 * bw)
         if h.half_bytes and nbytes:
             transfer *= 1.0 + (h.half_bytes * t.n_ranks / nbytes) ** h.ramp_exponent
-        k = h.overlap
         if k != 1.0 and transfer > 0:
             # Pipelining: NCCL keeps several slices of a channel in flight (NCCL_STEPS), so once the
             # transfer is long the per-step handshakes hide behind it; the launch never does.
@@ -414,8 +413,8 @@ class NcclModel(CommModel):
             return h.launch_us + (steps ** k + transfer ** k) ** (1.0 / k)
         return lat + transfer
 
-    def _hw_terms(self, t: _GroupTables, func: int, cand: _Candidate) -> tuple[float, float, float, float, float]:
-        """(latency µs, channel threshold bytes or 0, GB/s a channel, GB/s cap, algorithm factor) of a candidate."""
+    def _hw_terms(self, t: _GroupTables, func: int, cand: _Candidate) -> tuple[float, float, float, float, float, float]:
+        """(latency µs, channel threshold bytes or 0, GB/s a channel, GB/s cap, algorithm factor, overlap) of a candidate."""
         h = t.hw
         a, p = cand.algo, cand.proto
         n = t.n_ranks
@@ -423,6 +422,7 @@ class NcclModel(CommModel):
         hw_ring = t.intra_hw if t.n_nodes == 1 else HW_NET
         lat = h.launch_us + self._latency(func, a, p, n, t.n_nodes, t.ppn, nsteps, t.intra_hw, hw_ring, t.lat_inter_us,
                                           t.hw_c)
+        k = h.overlap.get(p)
         # Across nodes NVLS tree and tree move the buffer over NCCL's double binary tree, whose
         # busiest node carries _tree_load times the buffer on its NICs.
         tree_net = t.node_net_gbps / _tree_load(t.n_nodes)
@@ -433,19 +433,19 @@ class NcclModel(CommModel):
                 algbw *= n / (n - 1)
             if a == NVLS_TREE:
                 algbw = min(algbw, h.efficiency.Simple * min(t.nvlink_gbps, tree_net))
-            return lat, 0.0, 0.0, algbw, 1.0
+            return lat, 0.0, 0.0, algbw, 1.0, k
         threshold = _MAX_THREADS[p] * _THREAD_THRESHOLD[p] * (n if (a == RING and p == LL) else 1)
         if a == TREE:
             # NCCL's tree: a chain inside each node, whose GPU links carry the buffer twice (NCCL's
             # tuning halves the tree's bandwidth); a ring sends 2(n-1)/n of it per rank instead.
             tree_line = min(0.5 * t.nvlink_gbps, t.line_gbps if t.n_nodes == 1 else tree_net)
-            return lat, threshold, h.channel_GBps.get(p), h.efficiency.get(p) * tree_line, h.tree_efficiency
+            return lat, threshold, h.channel_GBps.get(p), h.efficiency.get(p) * tree_line, h.tree_efficiency, k
         mult = 1.0
         if a == PAT:
             mult = 0.75
         elif not (a != RING and func in (_ALL_GATHER, _REDUCE_SCATTER)):
             mult = n / nsteps
-        return lat, threshold, h.channel_GBps.get(p), h.efficiency.get(p) * t.line_gbps, mult
+        return lat, threshold, h.channel_GBps.get(p), h.efficiency.get(p) * t.line_gbps, mult, k
 
     # ---- communicator creation ----------------------------------------------------------------
     def _derive(self, group: Group) -> _GroupTables:
