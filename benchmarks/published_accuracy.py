@@ -220,6 +220,10 @@ def write(table, profiles, seconds) -> None:
         "`.venv/bin/python benchmarks/published_accuracy.py --write` "
         f"({seconds:.0f} s on the 2-core VM). Data: `benchmarks/published/` (sources in each `system.yaml`).",
         "Per log: the largest and mean |error| of the time, sizes >=1 MiB / below 1 MiB (down to 1 KiB).",
+        "Columns: shipped, the profile of the log's generation and fabrics fitted on every system it covers (one "
+        "overlap for all protocols); leave-one-out, that profile fitted without the log's system; own log, what "
+        "`nbox calibrate --from-nccl-tests LOG` fits on the log alone (an overlap per protocol); half, that fit on "
+        "every other size, predicting the rest; NCCL, NCCL's own tuning times.",
         "Must hold: shipped and leave-one-out within 5 % at >=1 MiB and 15 % below; own log within 3 %; half within 5 %.",
         "",
         "Data floor: half the largest departure of a size's time (>=1 MiB) from the line through its two neighbours "
