@@ -108,12 +108,22 @@ def test_a_log_of_another_collective_is_refused(truth_times):
 
 
 # ---- profiles ------------------------------------------------------------------------------------------------------------
+def synthetic(topo, op, ranks, sizes, times=None):
+    """A log of ``sizes`` on ``topo`` as measured points (every time 1 µs unless given)."""
+    rows = tuple(LogRow(s, s // 4, "float", t, 1, 1, None, 0) for s, t in zip(sizes, times or [1.0] * len(sizes)))
+    return hf.measured_points(topo, NcclTestsLog("x", op, rows, ranks, (), (), None))
+
+
+def refit(m, network=False):
+    """The section fitted on ``m`` alone and its largest relative error on m's own rows."""
+    section = hf.fit_section([m], network=network)
+    return section, max(abs(t / r.time_us - 1) for r, (t, _) in zip(m.log.rows, hf.predict(m, section)))
+
+
 def test_fit_recovers_the_times_of_a_known_section(tmp_path, truth_times):
     (tmp_path / "all_reduce_perf.txt").write_text(log_text(truth_times))
     topo = parse_topology(H100.format(nodes=1, extra=""), str(tmp_path / "t.yaml"))
-    m = hf.measured_points(topo, read_log(tmp_path / "all_reduce_perf.txt"))
-    section = hf.fit_section([m], network=False)
-    worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(m.log.rows, hf.predict(m, section)))
+    _, worst = refit(hf.measured_points(topo, read_log(tmp_path / "all_reduce_perf.txt")))
     assert worst < 0.01
 
 
@@ -133,16 +143,11 @@ def test_an_all_to_all_that_ramps_with_its_message_size_per_peer_is_fitted():
     topo = parse_topology(H100.format(nodes=2, extra=", hardware: none"), "t.yaml")
     net = TRUTH.model_copy(update=dict(net_hop_us=TRUTH.hop_us, p2p_half_bytes=300e3, p2p_ramp_exponent=0.5))
     sizes = [1 << i for i in range(20, 32)]  # 1 MiB .. 2 GiB
-    rows = tuple(LogRow(s, s // 4, "float", 1, 1, 1, None, 0) for s in sizes)
-    m = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_TO_ALL, rows, 16, (), (), None))
+    m = synthetic(topo, Op.ALL_TO_ALL, 16, sizes)
     ramped = [t for t, _ in hf.predict(m, net)]
     flat = [t for t, _ in hf.predict(m, net.model_copy(update=dict(p2p_half_bytes=0.0)))]
     assert ramped[0] > 1.3 * flat[0] and ramped[-1] < 1.06 * flat[-1]  # per peer: 64 KiB vs 128 MiB (+sqrt(0.3/134) = 5 %)
-    log = NcclTestsLog("x", Op.ALL_TO_ALL, tuple(LogRow(s, s // 4, "float", t, 1, 1, None, 0)
-                                                  for s, t in zip(sizes, ramped)), 16, (), (), None)
-    m = hf.measured_points(topo, log)
-    section = hf.fit_section([m], network=True)
-    worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(log.rows, hf.predict(m, section)))
+    section, worst = refit(synthetic(topo, Op.ALL_TO_ALL, 16, sizes, ramped), network=True)
     assert worst < 0.01 and section.p2p_half_bytes > 1e4
 
 
@@ -150,18 +155,14 @@ def test_step_latencies_hide_behind_a_long_transfer_and_the_fit_finds_how_far():
     # PCIe and NVLS logs (l40s-4-*, azure-nd-h100) reach their full bandwidth by 4 MiB: the step
     # latencies overlap the transfer once a channel has several slices in flight.
     topo = parse_topology(H100.format(nodes=1, extra=", hardware: none"), "t.yaml")
-    rows = tuple(LogRow(s, s // 4, "float", 1, 1, 1, None, 0) for s in SIZES)
-    m = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_REDUCE, rows, 8, (), (), None))
+    m = synthetic(topo, Op.ALL_REDUCE, 8, SIZES)
     added = [t for t, _ in hf.predict(m, TRUTH)]
     truth = Section.model_validate({**TRUTH.model_dump(), "overlap": 2.5})  # one number: every protocol
     overlapped = [t for t, _ in hf.predict(m, truth)]
     ratios = [o / a for o, a in zip(overlapped, added)]
     assert max(ratios) <= 1 + 1e-9 and min(ratios) < 0.85  # never slower; mid sizes much faster
     assert ratios[0] > 0.99 and ratios[-1] > 0.99  # 8 B: all latency; 1 GiB: all transfer
-    log = NcclTestsLog("x", Op.ALL_REDUCE, tuple(LogRow(s, s // 4, "float", t, 1, 1, None, 0)
-                                                  for s, t in zip(SIZES, overlapped)), 8, (), (), None)
-    fitted = hf.fit_section([hf.measured_points(topo, log)], network=False)
-    worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(log.rows, hf.predict(m, fitted)))
+    fitted, worst = refit(synthetic(topo, Op.ALL_REDUCE, 8, SIZES, overlapped))
     assert worst < 0.02 and fitted.overlap.Simple > 1.5
 
 
@@ -170,15 +171,11 @@ def test_each_protocol_overlaps_its_own_way_and_the_fit_tells_them_apart():
     # waits for a flag after each step. l40s-2-pcie-farmshare: LL's small sizes need a knee that
     # Simple's straight line from 256 KiB to 128 MiB does not (own-log fit 3.4 % -> 1.4 %).
     topo = parse_topology(H100.format(nodes=1, extra=", hardware: none"), "t.yaml")
-    rows = tuple(LogRow(s, s // 4, "float", 1, 1, 1, None, 0) for s in SIZES)
-    m = hf.measured_points(topo, NcclTestsLog("x", Op.ALL_REDUCE, rows, 8, (), (), None))
+    m = synthetic(topo, Op.ALL_REDUCE, 8, SIZES)
     truth = Section.model_validate({**TRUTH.model_dump(), "overlap": {"LL": 4.0, "LL128": 2.0, "Simple": 1.0}})
     assert Section.model_validate({**TRUTH.model_dump(), "overlap": 2}).overlap.LL128 == 2.0  # one number: all three
     times = [t for t, _ in hf.predict(m, truth)]
-    log = NcclTestsLog("x", Op.ALL_REDUCE, tuple(LogRow(s, s // 4, "float", t, 1, 1, None, 0)
-                                                  for s, t in zip(SIZES, times)), 8, (), (), None)
-    fitted = hf.fit_section([hf.measured_points(topo, log)], network=False)
-    worst = max(abs(t / r.time_us - 1) for r, (t, _) in zip(log.rows, hf.predict(m, fitted)))
+    fitted, worst = refit(synthetic(topo, Op.ALL_REDUCE, 8, SIZES, times))
     assert worst < 0.02 and fitted.overlap.LL > 2 * fitted.overlap.Simple, (worst, fitted.overlap)
 
 

@@ -41,6 +41,7 @@ SHIPPED = Path(__file__).with_name("hardware")
 Latency = Annotated[float, Field(ge=0, le=1e5, allow_inf_nan=False)]  # µs
 Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 GBps = Annotated[float, Field(gt=0, le=1e5, allow_inf_nan=False)]
+Overlap = Annotated[float, Field(ge=1, le=8, allow_inf_nan=False)]  # Section.overlap's exponent
 
 
 class _Strict(BaseModel):
@@ -86,9 +87,9 @@ class Bandwidths(PerProtocol):
 class Overlaps(PerProtocol):
     """How far each protocol's step latencies hide behind its transfer (1 to 8)."""
 
-    LL: Annotated[float, Field(ge=1, le=8, allow_inf_nan=False)]
-    LL128: Annotated[float, Field(ge=1, le=8, allow_inf_nan=False)]
-    Simple: Annotated[float, Field(ge=1, le=8, allow_inf_nan=False)]
+    LL: Overlap
+    LL128: Overlap
+    Simple: Overlap
 
 
 class Section(_Strict):
