@@ -142,7 +142,7 @@ def _timed(model, measured: Measured, sizes: Sequence[int] | None = None) -> lis
 
 def _usable_rows(m: Measured, min_size: int):
     # Rows of at least min_size bytes (a 0-byte row times nothing but the launch) with a time.
-    return [r for r in m.log.rows if r.size >= max(1, min_size) and r.time_us > 0]
+    return [r for r in m.log.rows if r.size >= max(1, min_size) and r.measured_us > 0]
 
 
 def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
@@ -173,7 +173,7 @@ def fit_section(measured: Sequence[Measured], network: bool, min_size: int = 1,
     rows = [_usable_rows(m, min_size) for m in measured]
     if not any(rows):
         raise InputError("no rows to fit (every size is below the smallest size fitted)")
-    measured_t = np.log([r.time_us for rs in rows for r in rs])
+    measured_t = np.log([r.measured_us for rs in rows for r in rs])
 
     def residuals(x):
         section = _section_from(np.exp(x), fields, network)
@@ -252,7 +252,7 @@ def fit_profile(name: str, measured: Sequence[Measured], min_size: int = 1, desc
 
 def compare_rows(measured: Measured, section: Section | None = None, use_topology: bool = False, model=None,
                  ) -> list[tuple[int, float, float, float, float, str]]:
-    """Per size of the log: (size, measured µs, model µs, measured busbw, model busbw, algorithm).
+    """Per size of the log: (size, measured µs, model µs, measured busbw, model busbw, algorithm); measured: ``LogRow.measured_us``.
 
     ``use_topology``: time with ``model`` (default: the topology's nccl model with its own
     hardware profile, what ``nbox bench`` shows) instead of ``section``.
@@ -263,6 +263,6 @@ def compare_rows(measured: Measured, section: Section | None = None, use_topolog
         times = predict(measured, section)
     out = []
     for r, (t_us, algo) in zip(measured.log.rows, times):
-        ratio = r.time_us / t_us if t_us > 0 else 0.0
-        out.append((r.size, r.time_us, t_us, r.busbw_GBps, r.busbw_GBps * ratio, algo))
+        ratio = r.measured_us / t_us if t_us > 0 else 0.0
+        out.append((r.size, r.measured_us, t_us, r.measured_busbw_GBps, r.measured_busbw_GBps * ratio, algo))
     return out

@@ -48,6 +48,7 @@ def format_compare(rows: Sequence[tuple[int, float, float, float, float, str]], 
     """The model beside an nccl-tests log: (size, measured µs, model µs, measured busbw, model busbw, algorithm)."""
     lines = [f"# {h}" for h in header]
     lines += [
+        "# measured: each size's faster of its out-of-place and in-place times (where the log prints both)",
         "#",
         "#                       measured            modeled",
         "#       size      time    busbw      time    busbw    error  algorithm",
