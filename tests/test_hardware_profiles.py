@@ -208,6 +208,9 @@ def test_a_spike_in_one_of_a_sizes_two_timings_is_read_past(tmp_path, truth_time
     r = nbox("calibrate", "t.yaml", "--from-nccl-tests", "all_reduce_perf.txt", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "faster of its out-of-place and in-place times" in r.stdout
+    # and the user is told where the log's two loops disagree, and which one was slow
+    gaps = next(ln for ln in r.stdout.splitlines() if ln.startswith("# Out of place and in place"))
+    assert gaps.endswith(": 8388608 (out-of-place +200.0%), 67108864 (in-place +50.0%)")
     rows = {int(ln.split()[0]): ln.split() for ln in r.stdout.splitlines() if ln.strip()[:1].isdigit()}
     assert float(rows[8 << 20][1]) == pytest.approx(truth_times[SIZES.index(8 << 20)], rel=1e-3)
     assert max(abs(float(v[5].rstrip("%"))) for s, v in rows.items() if s >= 1 << 20) < 1.0  # per cent

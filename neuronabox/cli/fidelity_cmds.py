@@ -359,7 +359,7 @@ def _calibrate_from_logs(topology: Path, logs: List[str], out: Optional[Path], w
     from ..fidelity.nccl_log import read_log
     from ..fidelity.profile import profile_reference, write_profile_field
     from ..model.hardware import as_yaml
-    from ..report.nccl_tests import format_compare
+    from ..report.nccl_tests import ROUGH, format_compare
     from ..topology import load_topology
 
     topo = load_topology(topology)
@@ -372,7 +372,7 @@ def _calibrate_from_logs(topology: Path, logs: List[str], out: Optional[Path], w
         section = prof.node if m.n_nodes == 1 else prof.network
         head = [f"{m.log.path}: {m.log.op.value}, {m.log.ranks} ranks on {m.n_nodes} node(s)"
                 + (f", NCCL {m.log.nccl_version}" if m.log.nccl_version else ""), "model nccl with the fitted profile"]
-        sys.stdout.write(format_compare(compare_rows(m, section), head) + "\n\n")
+        sys.stdout.write(format_compare(compare_rows(m, section), head, m.log.timing_gaps(ROUGH)) + "\n\n")
     console.print(f"wrote {out}")
     if write_topology:
         ref = write_profile_field(topology, out, "hardware")

@@ -169,7 +169,7 @@ def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
     from ..fidelity.hardware_fit import compare_rows, measured_points
     from ..fidelity.nccl_log import read_log
     from ..model.registry import create_model
-    from ..report.nccl_tests import format_compare
+    from ..report.nccl_tests import ROUGH, format_compare
 
     m = create_model(topo, model)
     for path in logs:
@@ -181,4 +181,4 @@ def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
                 f"{measured.n_nodes} node(s)", f"log {path}: {measured.log.op.value}"
                 + (f", NCCL {measured.log.nccl_version}" if measured.log.nccl_version else ""),
                 f"model {m.name}" + (f", hardware profile {where}" if where else "") + _channel_bounds(topo)]
-        sys.stdout.write(format_compare(rows, head) + "\n\n")
+        sys.stdout.write(format_compare(rows, head, measured.log.timing_gaps(ROUGH)) + "\n\n")

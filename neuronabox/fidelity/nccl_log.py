@@ -93,6 +93,17 @@ class NcclTestsLog:
         """The row of ``size`` bytes, if measured."""
         return next((r for r in self.rows if r.size == size), None)
 
+    def timing_gaps(self, over: float, lo: int = 1 << 20) -> list[tuple[int, str, float]]:
+        """Sizes >= ``lo`` whose two timings are more than ``over`` apart: (size, the slower one, how much slower)."""
+        out = []
+        for r in self.rows:
+            t_in = r.in_place_time_us
+            if r.size >= lo and t_in is not None and t_in > 0 and r.time_us > 0:
+                gap = max(r.time_us, t_in) / min(r.time_us, t_in) - 1
+                if gap > over:
+                    out.append((r.size, "out-of-place" if r.time_us > t_in else "in-place", gap))
+        return out
+
 
 def read_log(path: str | Path, op: Op | None = None, ranks: int | None = None,
              default_ranks: int | None = None) -> NcclTestsLog:

@@ -44,8 +44,12 @@ def format_table(rows: Sequence[BenchRow], header: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def format_compare(rows: Sequence[tuple[int, float, float, float, float, str]], header: Sequence[str]) -> str:
-    """The model beside an nccl-tests log: (size, measured µs, model µs, measured busbw, model busbw, algorithm)."""
+def format_compare(rows: Sequence[tuple[int, float, float, float, float, str]], header: Sequence[str],
+                   gaps: Sequence[tuple[int, str, float]] = ()) -> str:
+    """The model beside an nccl-tests log: (size, measured µs, model µs, measured busbw, model busbw, algorithm).
+
+    ``gaps``: sizes whose out-of-place and in-place timings are far apart (``NcclTestsLog.timing_gaps``).
+    """
     lines = [f"# {h}" for h in header]
     lines += [
         "# measured: each size's faster of its out-of-place and in-place times (where the log prints both)",
@@ -68,6 +72,9 @@ def format_compare(rows: Sequence[tuple[int, float, float, float, float, str]], 
         lines.append(f"# Off the line through the sizes beside them by more than {ROUGH:.0%} (the log's noise, or NCCL "
                      "switching protocol there; no smooth model comes closer than half of it): "
                      + ", ".join(f"{size} ({d:+.1%})" for size, d in rough))
+    if gaps:
+        lines.append(f"# Out of place and in place more than {ROUGH:.0%} apart (interference in the slower loop; the "
+                     "faster is the measured time): " + ", ".join(f"{size} ({which} {g:+.1%})" for size, which, g in gaps))
     return "\n".join(lines)
 
 
