@@ -38,6 +38,15 @@ def run_nbox(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     )
 
 
+def own_session() -> None:
+    """``preexec_fn`` of a child started as a terminal would: a session of its own, SIGINT at its default."""
+    import signal
+
+    os.setsid()
+    # A background job (`make test &`) hands its children SIGINT ignored, and Python keeps that.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop_nbox_when(argv: list[str], said: str, after_s: float = 1.0, env: dict[str, str] | None = None,
                    sig: int = 15, to_group: bool = False):
     """Run nbox in a session of its own; ``after_s`` after its output first has a line with ``said``, send it ``sig``.
@@ -48,11 +57,6 @@ def stop_nbox_when(argv: list[str], said: str, after_s: float = 1.0, env: dict[s
     import signal
     import threading
     import time
-
-    def own_session() -> None:
-        os.setsid()
-        # A background job (`make test &`) hands its children SIGINT ignored, and Python keeps that.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})},

@@ -27,7 +27,7 @@ from neuronabox.cluster.namespace import Namespace
 from neuronabox.cluster.state import ClusterState
 
 from . import test_cluster_netns as nt
-from .conftest import ROOT, private_cluster_state, run_nbox, switch_topology
+from .conftest import ROOT, own_session, private_cluster_state, run_nbox, switch_topology
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a Docker engine, qdiscs in containers)")]
@@ -94,7 +94,7 @@ def test_an_interrupted_build_leaves_no_tag_no_chroot_no_container(built, docker
     tags = {t for i in docker_engine.images.list() for t in i.tags}
     p = subprocess.Popen([sys.executable, "-m", "neuronabox.cli", "images", "build", "stub", "--tag", "interrupted"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                         start_new_session=True)
+                         preexec_fn=own_session)
     out = []
     try:
         deadline = time.monotonic() + 120
