@@ -69,7 +69,8 @@ class LogRow:
     @property
     def measured_busbw_GBps(self) -> float:
         """The bus bandwidth at ``measured_us``."""
-        return self.busbw_GBps * self.time_us / self.measured_us if self.measured_us > 0 else self.busbw_GBps
+        t = self.measured_us
+        return self.busbw_GBps * self.time_us / t if t > 0 else self.busbw_GBps
 
 
 @dataclass(frozen=True)
