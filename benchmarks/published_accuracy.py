@@ -33,7 +33,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from neuronabox.fidelity.hardware_fit import Measured, fit_section, measured_points, predict  # noqa: E402
+from neuronabox.fidelity.hardware_fit import (  # noqa: E402
+    Measured, accuracy, fit_section, large_size_errors, measured_points, predict,
+)
 from neuronabox.fidelity.nccl_log import read_log  # noqa: E402
 from neuronabox.model import hardware  # noqa: E402
 from neuronabox.model.hardware import HardwareProfile, Match, as_yaml  # noqa: E402
@@ -168,8 +170,6 @@ def main() -> None:
             node=None if s0.multi else section, network=section if s0.multi else None,
         )
         profiles[name] = prof
-        if args.write:
-            (SHIPPED / f"{name}.yaml").write_text(as_yaml(prof), encoding="utf-8")
 
     table = []
     for s in systems:
@@ -200,7 +200,20 @@ def main() -> None:
             table.append({"system": s.id, "log": m.log.path.split("/published/")[-1], "op": m.log.op.value,
                           "ranks": m.log.ranks, "nodes": m.n_nodes, "profile": s.profile, "loo_basis": loo_basis,
                           "cells": {k: [list(e) for e in v] for k, v in cells.items()}})
+    for name, members in by_profile.items():
+        profiles[name] = with_accuracy(profiles[name], [r for r in table if r["profile"] == name], len(members) > 1)
+        if args.write:
+            (SHIPPED / f"{name}.yaml").write_text(as_yaml(profiles[name]), encoding="utf-8")
     write(table, profiles, time.time() - t0)
+
+
+def with_accuracy(prof: HardwareProfile, rows, several_systems: bool) -> HardwareProfile:
+    """The profile with what its shipped and leave-one-out columns read (``nbox bench`` prints it)."""
+    unseen = [statistics.fmean(abs(e) for e in errs) for r in rows
+              if several_systems and (errs := large_size_errors(r["cells"]["leave-one-out"]))]
+    found = accuracy([large_size_errors(r["cells"]["shipped"]) for r in rows], unseen,
+                     by="benchmarks/results/published_accuracy.md")
+    return prof.model_copy(update={"accuracy": found})
 
 
 def data_floor(points, lo: int = MIB) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -229,6 +231,14 @@ def test_calibrate_from_nccl_tests_writes_a_profile_the_topology_then_uses(tmp_p
     big = [float(ln.split()[5].rstrip("%")) for ln in r.stdout.splitlines()
            if ln.strip()[:1].isdigit() and int(ln.split()[0]) >= 1 << 20]
     assert big and max(abs(e) for e in big) < 1.0  # per cent
+    # The profile keeps how well it fitted its log, and the model's tables say it where they name it.
+    acc = hardware.load_profile(tmp_path / "t.hardware.yaml").accuracy
+    assert acc.logs == 1 and acc.unseen_pct is None and acc.by == "nbox calibrate --from-nccl-tests"
+    assert acc.largest_pct == pytest.approx(max(abs(e) for e in big), abs=0.06)  # the table prints 0.1 %
+    assert acc.mean_pct <= acc.largest_pct
+    for args in (("bench", "t.yaml", "--compare", "all_reduce_perf.txt"), ("bench", "t.yaml")):
+        out = nbox(*args, cwd=tmp_path).stdout
+        assert f"# t-hardware: off by {acc.mean_pct:.1f} % on the log it was fitted on" in out, out
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -247,6 +257,13 @@ def test_impossible_profiles_are_refused_with_exit_2(tmp_path, field, value, nee
         hardware.load_profile(tmp_path / "bad.yaml")
     r = nbox("bench", "t.yaml", cwd=tmp_path)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "bad.yaml" in r.stderr, r.stderr
+
+
+def test_an_impossible_accuracy_is_refused_naming_its_field(tmp_path):
+    doc = {"name": "bad", "node": TRUTH.model_dump(exclude_none=True), "accuracy": {"logs": 2, "mean_pct": -1, "largest_pct": 3}}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(InputError, match=r"bad.yaml: accuracy.mean_pct: Input should be greater than or equal to 0 \(got -1\)"):
+        hardware.load_profile(tmp_path / "bad.yaml")
 
 
 def test_a_missing_section_field_and_an_unknown_name_are_refused(tmp_path):
@@ -312,6 +329,35 @@ def test_shipped_profiles_load_and_are_inherited_by_device_and_fabric():
         model = create_model(parse_topology(H100.format(nodes=1, extra=""), "t.yaml"), "nccl")
         model.estimate(Op.ALL_REDUCE, 1 << 20, range(8))
         assert node_profiles[0].name in model.hardware_source
+
+
+def test_shipped_profiles_carry_the_accuracy_the_published_table_reads_and_bench_prints_it(tmp_path):
+    # benchmarks/published_accuracy.py --write stores each profile's shipped and leave-one-out
+    # columns in it; a user asking nbox bench about their cluster reads what error to expect.
+    root = Path(__file__).resolve().parents[1]
+    table = json.loads((root / "benchmarks" / "results" / "published_accuracy.json").read_text())["rows"]
+    for prof in hardware.shipped_profiles():
+        rows = [r for r in table if r["profile"] == prof.name]
+        several = len({r["system"] for r in rows}) > 1
+        unseen = [statistics.fmean(abs(e) for e in errs) for r in rows
+                  if several and (errs := hf.large_size_errors(r["cells"]["leave-one-out"]))]
+        want = hf.accuracy([hf.large_size_errors(r["cells"]["shipped"]) for r in rows], unseen)
+        got = prof.accuracy
+        assert got is not None and got.logs == want.logs, prof.name
+        assert (got.mean_pct, got.largest_pct) == pytest.approx((want.mean_pct, want.largest_pct), abs=0.01), prof.name
+        assert (got.unseen_pct is None) == (want.unseen_pct is None) and (
+            got.unseen_pct is None or got.unseen_pct == pytest.approx(want.unseen_pct, abs=0.01)), prof.name
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=1, extra=""))
+    r = nbox("bench", "t.yaml", "-b", "1M", "-e", "2M", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    h100 = next(p for p in hardware.shipped_profiles() if p.node and p.match and p.matches("H100", "nvlink", "ib"))
+    assert f"# {h100.name}: off by {h100.accuracy.mean_pct:.1f} % on the {h100.accuracy.logs} logs" in r.stdout, r.stdout
+    # A100s over RoCE: the network section stands in from another generation, and bench says so.
+    a100 = H100.replace("device: H100", "device: A100").replace("type: rail-optimized", "type: switch, fabric: roce")
+    (tmp_path / "a.yaml").write_text(a100.format(nodes=2, extra=""))
+    r = nbox("bench", "a.yaml", "-b", "1M", "-e", "2M", cwd=tmp_path)
+    near = hardware.nearest(hardware.shipped_profiles(), "A100", "nvlink", "roce", "network")
+    assert f"# {near.name} stands in for a GPU generation" in r.stdout, r.stdout
 
 
 def test_a_generation_without_a_profile_on_a_fabric_takes_the_nearest_generations():

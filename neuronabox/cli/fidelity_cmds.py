@@ -355,7 +355,7 @@ def calibrate(
 
 def _calibrate_from_logs(topology: Path, logs: List[str], out: Optional[Path], write_topology: bool) -> None:
     """``calibrate --from-nccl-tests``: fit a hardware profile to the logs, print the fit beside them."""
-    from ..fidelity.hardware_fit import compare_rows, fit_profile, measured_points
+    from ..fidelity.hardware_fit import accuracy, compare_rows, fit_profile, large_size_errors, measured_points
     from ..fidelity.nccl_log import read_log
     from ..fidelity.profile import profile_reference, write_profile_field
     from ..model.hardware import as_yaml
@@ -366,13 +366,16 @@ def _calibrate_from_logs(topology: Path, logs: List[str], out: Optional[Path], w
     measured = [measured_points(topo, read_log(p, default_ranks=topo.world_size)) for p in logs]
     prof = fit_profile(f"{topo.name}-hardware", measured, description=f"fitted by nbox calibrate --from-nccl-tests on {topology}",
                        progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    rows = [compare_rows(m, prof.node if m.n_nodes == 1 else prof.network) for m in measured]
+    # The profile says how well it fits its own logs, so that nbox bench can say what to expect of it.
+    prof = prof.model_copy(update={"accuracy": accuracy([large_size_errors(r) for r in rows],
+                                                         by="nbox calibrate --from-nccl-tests")})
     out = out or topology.with_name(f"{topology.stem}.hardware.yaml")
     out.write_text(as_yaml(prof), encoding="utf-8")
-    for m in measured:
-        section = prof.node if m.n_nodes == 1 else prof.network
+    for m, r in zip(measured, rows):
         head = [f"{m.log.path}: {m.log.op.value}, {m.log.ranks} ranks on {m.n_nodes} node(s)"
                 + (f", NCCL {m.log.nccl_version}" if m.log.nccl_version else ""), "model nccl with the fitted profile"]
-        sys.stdout.write(format_compare(compare_rows(m, section), head, m.log.timing_gaps(ROUGH)) + "\n\n")
+        sys.stdout.write(format_compare(r, head, m.log.timing_gaps(ROUGH)) + "\n\n")
     console.print(f"wrote {out}")
     if write_topology:
         ref = write_profile_field(topology, out, "hardware")

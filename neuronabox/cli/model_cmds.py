@@ -149,12 +149,21 @@ def bench(
         f"model {m.name}, algorithm {m.algorithm}" + (f", protocol {m.protocol}" if m.protocol not in ("", "auto") else "")
         + (f", hardware profile {hw}" if (hw := getattr(getattr(m, "inner", m), "hardware_source", "")) else "")
         + _channel_bounds(topo),
+        *_accuracy_notes(m),
         f"minBytes {sizes[0]} maxBytes {sizes[-1]} step: {stepbytes or f'{stepfactor:g}(factor)'}",
     ]
     for i, o in enumerate(ops):
         sys.stdout.write(format_table([r for r in rows if r.op == o.value], header if i == 0 else []) + "\n\n")
     if json_out:
         console.print(f"wrote {json_out}")
+
+
+def _accuracy_notes(m) -> list[str]:
+    """What error the hardware profiles behind the model's times showed against published measurements."""
+    from ..model.hardware import accuracy_note
+
+    used = getattr(getattr(m, "inner", m), "hardware_used", ())
+    return [note for prof, stand_in in used if (note := accuracy_note(prof, stand_in))]
 
 
 def _channel_bounds(topo) -> str:
@@ -180,5 +189,6 @@ def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
         head = [f"nbox bench --compare: topology {topo.name} ({topo.source}), {measured.log.ranks} ranks on "
                 f"{measured.n_nodes} node(s)", f"log {path}: {measured.log.op.value}"
                 + (f", NCCL {measured.log.nccl_version}" if measured.log.nccl_version else ""),
-                f"model {m.name}" + (f", hardware profile {where}" if where else "") + _channel_bounds(topo)]
+                f"model {m.name}" + (f", hardware profile {where}" if where else "") + _channel_bounds(topo),
+                *_accuracy_notes(m)]
         sys.stdout.write(format_compare(rows, head, measured.log.timing_gaps(ROUGH)) + "\n\n")

@@ -13,19 +13,22 @@ channel's share of line rate for bandwidths.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import InputError, NboxError
 from ..model import nccl
 from ..model.base import Group
-from ..model.hardware import HardwareProfile, Section
+from ..model.hardware import Accuracy, HardwareProfile, Section
 from ..model.registry import create_model
 from ..topology import Topology
 from .nccl_log import NcclTestsLog
 
-__all__ = ["Measured", "fit_section", "fit_profile", "predict", "measured_points", "PRIOR_WEIGHT"]
+__all__ = ["Measured", "fit_section", "fit_profile", "predict", "measured_points", "accuracy", "large_size_errors",
+           "PRIOR_WEIGHT"]
 
+MIB = 1 << 20
 # How strongly a value stays at its prior: a factor e away costs as much as a 2 % error on one row.
 PRIOR_WEIGHT = 0.02
 _LAUNCH_PRIOR_US = 5.0
@@ -266,3 +269,18 @@ def compare_rows(measured: Measured, section: Section | None = None, use_topolog
         ratio = r.measured_us / t_us if t_us > 0 else 0.0
         out.append((r.size, r.measured_us, t_us, r.measured_busbw_GBps, r.measured_busbw_GBps * ratio, algo))
     return out
+
+
+def large_size_errors(rows) -> list[float]:
+    """The relative time errors (model / measured - 1) of ``compare_rows`` rows at sizes of 1 MiB and up."""
+    return [t_us / meas_us - 1 for size, meas_us, t_us, *_ in rows if size >= MIB and meas_us > 0]
+
+
+def accuracy(errors_per_log: Sequence[Sequence[float]], unseen: Sequence[float] = (), by: str = "") -> Accuracy | None:
+    """A profile's ``accuracy`` from each log's errors at >= 1 MiB; ``unseen``: each log's leave-one-out mean |error|."""
+    logs = [[abs(e) for e in errs] for errs in errors_per_log if errs]
+    if not logs:
+        return None
+    return Accuracy(logs=len(logs), mean_pct=100 * statistics.median(statistics.fmean(x) for x in logs),
+                    largest_pct=100 * max(max(x) for x in logs),
+                    unseen_pct=100 * statistics.median(unseen) if unseen else None, by=by)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import InputError
 from .devices import compute_capability, known
 
-__all__ = ["Section", "HardwareProfile", "load_profile", "shipped_profiles", "resolve_sections", "nearest", "PROTOCOLS",
-           "NETWORK_FABRICS"]
+__all__ = ["Section", "HardwareProfile", "Accuracy", "Resolved", "load_profile", "shipped_profiles", "resolve_sections",
+           "nearest", "accuracy_note", "PROTOCOLS", "NETWORK_FABRICS"]
 
 PROTOCOLS = ("LL", "LL128", "Simple")
 # tcpxo: GCP's GPUDirect-TCPXO (A3 Mega), which offloads what TCPX (A3 High, "tcp") leaves to the
@@ -142,6 +142,21 @@ class Match(_Strict):
     network: list[Literal["ib", "roce", "efa", "tcp", "tcpxo"]] = Field(default_factory=lambda: list(NETWORK_FABRICS))
 
 
+Percent = Annotated[float, Field(ge=0, le=1e4, allow_inf_nan=False)]
+
+
+class Accuracy(_Strict):
+    """How far the profile's times are from the nccl-tests logs it was fitted on (sizes >= 1 MiB), and from others."""
+
+    logs: int = Field(ge=1, description="the logs measured (those with sizes of 1 MiB and up)")
+    mean_pct: Percent = Field(description="the median over those logs of each log's mean |time error|, per cent")
+    largest_pct: Percent = Field(description="the largest |time error| of any size of any of them, per cent")
+    unseen_pct: Percent | None = Field(
+        None, description="mean_pct with each log's system left out of the fit (leave-one-out): what a machine the "
+        "profile was not fitted on can expect; absent where the profile was fitted on one system")
+    by: str = Field("", description="the command that measured it")
+
+
 class HardwareProfile(_Strict):
     """A hardware profile file."""
 
@@ -149,6 +164,7 @@ class HardwareProfile(_Strict):
     description: str = ""
     match: Match | None = None
     fitted_on: list[str] = Field(default_factory=list, description="the measurements it was fitted on")
+    accuracy: Accuracy | None = Field(None, description="how well it times those measurements, and others")
     node: Section | None = None
     network: Section | None = None
 
@@ -233,22 +249,34 @@ def nearest(profiles, device: str, intra: str, network: str, scope: Literal["nod
     return best[1] if best else None
 
 
-def resolve_sections(hardware: str | None, source: str, device: str, intra: str, network: str,
-                     ) -> tuple[Section | None, Section | None, str]:
+class Resolved(NamedTuple):
+    """A topology's hardware sections, where they came from (for reports), and the profiles behind them."""
+
+    node: Section | None
+    network: Section | None
+    where: str
+    # (profile, whether it stands in as the nearest generation's), each profile once
+    used: tuple[tuple[HardwareProfile, bool], ...] = ()
+
+
+def resolve_sections(hardware: str | None, source: str, device: str, intra: str, network: str) -> Resolved:
     """The (node, network) sections a topology's nodes use, and where they came from (for reports)."""
     chosen = named(hardware, source) if hardware else None
     if hardware == "none":
-        return None, None, "none (NCCL's own tuning times)"
+        return Resolved(None, None, "none (NCCL's own tuning times)")
     node, net = (chosen.node, chosen.network) if chosen else (None, None)
     names = [chosen.name] if chosen else []
+    used = [(chosen, False)] if chosen else []
     for prof in shipped_profiles():
         if (node is None or net is None) and prof.matches(device, intra, network):
             if node is None and prof.node is not None:
                 node = prof.node
                 names.append(prof.name)
+                used.append((prof, False))
             if net is None and prof.network is not None:
                 net = prof.network
                 names.append(prof.name)
+                used.append((prof, False))
     # No profile of this generation on these fabrics: the nearest generation's on the same fabrics.
     # Across nodes the NIC and its transport set what a profile holds more than the GPU does (an
     # A100 InfiniBand cluster timed by the H100 InfiniBand profile: 4.6 % mean error, by NCCL's
@@ -256,10 +284,29 @@ def resolve_sections(hardware: str | None, source: str, device: str, intra: str,
     if node is None and (prof := nearest(shipped_profiles(), device, intra, network, "node")) is not None:
         node = prof.node
         names.append(f"{prof.name} (nearest generation)")
+        used.append((prof, True))
     if net is None and (prof := nearest(shipped_profiles(), device, intra, network, "network")) is not None:
         net = prof.network
         names.append(f"{prof.name} (nearest generation)")
-    return node, net, " + ".join(dict.fromkeys(names)) or "none matched (NCCL's own tuning times)"
+        used.append((prof, True))
+    return Resolved(node, net, " + ".join(dict.fromkeys(names)) or "none matched (NCCL's own tuning times)",
+                    tuple({(p.name, stand_in): (p, stand_in) for p, stand_in in used}.values()))
+
+
+def accuracy_note(profile: HardwareProfile, stand_in: bool = False) -> str:
+    """One line on what error to expect of ``profile``'s times ('' where nothing was measured)."""
+    if stand_in:
+        return (f"{profile.name} stands in for a GPU generation that no profile's logs measured on these fabrics: "
+                "expect larger errors than on the logs it was fitted on")
+    a = profile.accuracy
+    if a is None:
+        return ""
+    logs = "the log" if a.logs == 1 else f"the {a.logs} logs"
+    text = (f"{profile.name}: off by {a.mean_pct:.1f} % on {logs} it was fitted on (mean |time error| at >= 1 MiB"
+            f"{', median over logs' if a.logs > 1 else ''}; largest {a.largest_pct:.1f} %), ")
+    if a.unseen_pct is None:
+        return text + "not measured on another machine"
+    return text + f"{a.unseen_pct:.1f} % on a system left out of its fit"
 
 
 def as_yaml(profile: HardwareProfile) -> str:

@@ -284,6 +284,7 @@ class NcclModel(CommModel):
         self._sections: dict[tuple[str, str], tuple] = {}
         self._override: tuple | None = None  # use_hardware's sections
         self.hardware_source = ""  # where the hardware sections came from, for reports
+        self.hardware_used: tuple[tuple[hardware.HardwareProfile, bool], ...] = ()  # and the profiles, for their accuracy
 
     def use_hardware(self, node: hardware.Section | None, network: hardware.Section | None) -> None:
         """Time every group with these sections from now on, whatever the topology names (what a fit tries)."""
@@ -304,11 +305,13 @@ class NcclModel(CommModel):
         key = (device, intra)
         if key not in self._sections:
             topo = self.topology
-            node, net, where = hardware.resolve_sections(
+            found = hardware.resolve_sections(
                 topo.emulation.hardware, topo.source, device, intra, topo.network.fabric
             )
-            self._sections[key] = (node, net)
-            self.hardware_source = where
+            self._sections[key] = (found.node, found.network)
+            self.hardware_source = found.where
+            # Every profile behind the groups timed so far (a mixed cluster resolves one per node kind).
+            self.hardware_used = tuple({(p.name, near): (p, near) for p, near in self.hardware_used + found.used}.values())
         return self._sections[key]
 
     # ---- hot path -----------------------------------------------------------------------------
