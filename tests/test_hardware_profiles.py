@@ -360,6 +360,24 @@ def test_shipped_profiles_carry_the_accuracy_the_published_table_reads_and_bench
     assert f"# {near.name} stands in for a GPU generation" in r.stdout, r.stdout
 
 
+def test_a_run_on_the_nccl_model_names_its_hardware_profile_and_its_error(tmp_path):
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=2, extra=""))
+    (tmp_path / "train.py").write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(1 << 18))\n"
+        "dist.destroy_process_group()\n"
+    )
+    r = nbox("run", "t.yaml", "--report", "r.json", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    model = create_model(parse_topology(H100.format(nodes=2, extra=""), "t.yaml"), "nccl")
+    model.estimate(Op.ALL_REDUCE, 1 << 20, range(16))
+    assert report["hardware"] == [model.hardware_source, *model.accuracy_notes()]
+    assert len(report["hardware"]) == 3  # h100-ib and h100-nvlink, each with its figures
+    assert f"hardware   │ profile {model.hardware_source}" in r.stdout, r.stdout  # the summary's row
+
+
 def test_a_generation_without_a_profile_on_a_fabric_takes_the_nearest_generations():
     # A100s over RoCE: no a100-roce profile ships; the network section is the nearest generation's
     # on RoCE (Hopper), newer on a tie, and the report says so. A device of no known generation

@@ -160,10 +160,8 @@ def bench(
 
 def _accuracy_notes(m) -> list[str]:
     """What error the hardware profiles behind the model's times showed against published measurements."""
-    from ..model.hardware import accuracy_note
-
-    used = getattr(getattr(m, "inner", m), "hardware_used", ())
-    return [note for prof, stand_in in used if (note := accuracy_note(prof, stand_in))]
+    notes = getattr(getattr(m, "inner", m), "accuracy_notes", None)
+    return notes() if notes else []
 
 
 def _channel_bounds(topo) -> str:

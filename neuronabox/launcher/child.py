@@ -140,6 +140,9 @@ def _write_record(path: str) -> None:
         "communicators": {tl.name: list(tl.group.ranks) for tl in emu.timelines},
         "ops": [r.as_dict(rec.t0) for r in rec.ops],
     }
+    inner = getattr(emu.model, "inner", emu.model)
+    if getattr(inner, "hardware_source", ""):  # the nccl model: which hardware profile timed the run, and its error
+        data["hardware"] = [inner.hardware_source, *inner.accuracy_notes()]
     effects = getattr(emu, "effects", ())
     if effects:  # what the host effects did in this run, one line each (host_effects/)
         data["host_effects"] = [e.describe() for e in effects]

@@ -286,6 +286,10 @@ class NcclModel(CommModel):
         self.hardware_source = ""  # where the hardware sections came from, for reports
         self.hardware_used: tuple[tuple[hardware.HardwareProfile, bool], ...] = ()  # and the profiles, for their accuracy
 
+    def accuracy_notes(self) -> list[str]:
+        """What error the hardware profiles behind the times so far showed against measurements, one line each."""
+        return [note for prof, stand_in in self.hardware_used if (note := hardware.accuracy_note(prof, stand_in))]
+
     def use_hardware(self, node: hardware.Section | None, network: hardware.Section | None) -> None:
         """Time every group with these sections from now on, whatever the topology names (what a fit tries)."""
         self._override = (node, network)

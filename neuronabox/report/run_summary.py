@@ -110,6 +110,7 @@ def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str,
         "per_op": per_op,
         "lateness": _stats(lateness),
         "communicators": record.get("communicators", {}),
+        **({"hardware": record["hardware"]} if record.get("hardware") else {}),
         **({"host_effects": record["host_effects"]} if record.get("host_effects") else {}),
         **({"roles": roles} if roles else {}),
         "ops": ops,
@@ -178,6 +179,7 @@ def _rank_tables(report: dict[str, Any]) -> list[Table]:
     real = report["real_ranks"]
     listed = ", ".join(map(str, real))
     t.add_row("world", f"{report['world_size']} ranks, {len(real)} real ({listed}), model {report['model']}")
+    _hardware_rows(t, report)
     sp = report["iteration_time_spread"]
     if "relative" in sp:
         t.add_row("iteration time",
@@ -193,6 +195,12 @@ def _rank_tables(report: dict[str, Any]) -> list[Table]:
         )
     first = ranks[str(real[0])] if real else None
     return [t, per] + (summary_tables(first)[1:] if first else [])
+
+
+def _hardware_rows(t: Table, report: dict[str, Any]) -> None:
+    """The nccl model's hardware profile and the error it showed against measurements (model/hardware.py)."""
+    for i, line in enumerate(report.get("hardware") or ()):
+        t.add_row("hardware" if i == 0 else "", f"profile {line}" if i == 0 else line)
 
 
 def _t(seconds: float | None) -> str:
@@ -235,6 +243,7 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
     if report.get("topology"):
         t.add_row("topology", f"{report['topology']} ({report.get('file', '')})")
     t.add_row("world", f"{report['world_size']} ranks, real rank {report['real_rank']}, model {report['model']}")
+    _hardware_rows(t, report)
     total = len(report["iterations"])
     t.add_row("iterations", f"{it.get('count', 0)} measured ({report['warmup']} warm-up of {total} left out)")
     if it.get("count"):
