@@ -276,11 +276,18 @@ def large_size_errors(rows) -> list[float]:
     return [t_us / meas_us - 1 for size, meas_us, t_us, *_ in rows if size >= MIB and meas_us > 0]
 
 
-def accuracy(errors_per_log: Sequence[Sequence[float]], unseen: Sequence[float] = (), by: str = "") -> Accuracy | None:
-    """A profile's ``accuracy`` from each log's errors at >= 1 MiB; ``unseen``: each log's leave-one-out mean |error|."""
+def accuracy(errors_per_log: Sequence[Sequence[float]], unseen: Sequence[float] = (), by: str = "",
+             stand_in: Sequence[float] = ()) -> Accuracy | None:
+    """A profile's ``accuracy`` from each log's errors at >= 1 MiB.
+
+    ``unseen``: each log's mean |error| with its system left out of the fit; ``stand_in``: the same
+    on the logs of systems of other generations that the profile stood in for.
+    """
     logs = [[abs(e) for e in errs] for errs in errors_per_log if errs]
     if not logs:
         return None
     return Accuracy(logs=len(logs), mean_pct=100 * statistics.median(statistics.fmean(x) for x in logs),
                     largest_pct=100 * max(max(x) for x in logs),
-                    unseen_pct=100 * statistics.median(unseen) if unseen else None, by=by)
+                    unseen_pct=100 * statistics.median(unseen) if unseen else None,
+                    stand_in_pct=100 * statistics.median(stand_in) if stand_in else None, stand_in_logs=len(stand_in) or None,
+                    by=by)

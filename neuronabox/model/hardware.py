@@ -154,6 +154,10 @@ class Accuracy(_Strict):
     unseen_pct: Percent | None = Field(
         None, description="mean_pct with each log's system left out of the fit (leave-one-out): what a machine the "
         "profile was not fitted on can expect; absent where the profile was fitted on one system")
+    stand_in_pct: Percent | None = Field(
+        None, description="mean_pct over the logs of systems it stood in for as the nearest generation's profile, "
+        "each fitted without them (leave-one-out): what a generation without a profile of its own can expect")
+    stand_in_logs: int | None = Field(None, ge=1, description="how many logs stand_in_pct is over")
     by: str = Field("", description="the command that measured it")
 
 
@@ -279,8 +283,8 @@ def resolve_sections(hardware: str | None, source: str, device: str, intra: str,
                 used.append((prof, False))
     # No profile of this generation on these fabrics: the nearest generation's on the same fabrics.
     # Across nodes the NIC and its transport set what a profile holds more than the GPU does (an
-    # A100 InfiniBand cluster timed by the H100 InfiniBand profile: 4.6 % mean error, by NCCL's
-    # own tuning times 17.5 %; benchmarks/results/published_accuracy.md, leave-one-out).
+    # A100 InfiniBand cluster timed by the H100 InfiniBand profile: 11.4 % mean error at >= 1 MiB,
+    # by NCCL's own tuning times 18.1 %; benchmarks/results/published_accuracy.md, leave-one-out).
     if node is None and (prof := nearest(shipped_profiles(), device, intra, network, "node")) is not None:
         node = prof.node
         names.append(f"{prof.name} (nearest generation)")
@@ -295,10 +299,13 @@ def resolve_sections(hardware: str | None, source: str, device: str, intra: str,
 
 def accuracy_note(profile: HardwareProfile, stand_in: bool = False) -> str:
     """One line on what error to expect of ``profile``'s times ('' where nothing was measured)."""
-    if stand_in:
-        return (f"{profile.name} stands in for a GPU generation that no profile's logs measured on these fabrics: "
-                "expect larger errors than on the logs it was fitted on")
     a = profile.accuracy
+    if stand_in:
+        text = f"{profile.name} stands in for a GPU generation that no profile's logs measured on these fabrics: "
+        if a is None or a.stand_in_pct is None:
+            return text + "expect larger errors than on the logs it was fitted on"
+        where = "the log" if a.stand_in_logs == 1 else f"the {a.stand_in_logs} logs"
+        return text + f"where it stood in for one, off by {a.stand_in_pct:.1f} % on {where} (mean |time error| at >= 1 MiB)"
     if a is None:
         return ""
     logs = "the log" if a.logs == 1 else f"the {a.logs} logs"
