@@ -47,6 +47,19 @@ def test_the_reference_names_every_field_of_the_schema():
             assert f"| `{field}` |" in page, field
 
 
+def test_the_hardware_profile_reference_is_generated_and_names_every_field():
+    from neuronabox.model.hardware import HardwareProfile
+    from neuronabox.model.hardware_reference import reference_markdown
+
+    page = reference_markdown()
+    assert (ROOT / "docs/reference/hardware.md").read_text(encoding="utf-8") == page, (
+        "docs/reference/hardware.md is out of date: python -m neuronabox.model.hardware_reference docs/reference/hardware.md")
+    schema = HardwareProfile.model_json_schema()
+    for section in [schema, *schema["$defs"].values()]:
+        for field in section.get("properties", {}):
+            assert f"| `{field}` |" in page, field
+
+
 def test_the_docs_site_builds_with_strict(tmp_path):
     """Broken links and anchors, a page left out of the nav, a missing included table: all fail."""
     pytest.importorskip("mkdocs", reason="the docs extra (mkdocs, mkdocs-material) is not installed")

@@ -138,8 +138,9 @@ class Match(_Strict):
     """Which topologies inherit a shipped profile."""
 
     devices: list[str] = Field(description="device name prefixes (H100 matches H100-SXM)")
-    intra: Literal["nvlink", "pcie", "shm"] = "nvlink"
-    network: list[Literal["ib", "roce", "efa", "tcp", "tcpxo"]] = Field(default_factory=lambda: list(NETWORK_FABRICS))
+    intra: Literal["nvlink", "pcie", "shm"] = Field("nvlink", description="the nodes' intra_node.fabric")
+    network: list[Literal["ib", "roce", "efa", "tcp", "tcpxo"]] = Field(
+        default_factory=lambda: list(NETWORK_FABRICS), description="the topologies' network.fabric (default: any)")
 
 
 Percent = Annotated[float, Field(ge=0, le=1e4, allow_inf_nan=False)]
@@ -164,13 +165,14 @@ class Accuracy(_Strict):
 class HardwareProfile(_Strict):
     """A hardware profile file."""
 
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=64, description="what reports call it (emulation.hardware may name a shipped one)")
     description: str = ""
-    match: Match | None = None
+    match: Match | None = Field(None, description="which topologies inherit it (shipped profiles); none: only naming selects it")
     fitted_on: list[str] = Field(default_factory=list, description="the measurements it was fitted on")
     accuracy: Accuracy | None = Field(None, description="how well it times those measurements, and others")
-    node: Section | None = None
-    network: Section | None = None
+    node: Section | None = Field(None, description="groups inside one node: the link is the per-rank NVLink or PCIe bandwidth")
+    network: Section | None = Field(
+        None, description="groups across nodes: the link is the narrower of the node's NICs and NVLink; needs net_hop_us")
 
     @field_validator("network")
     @classmethod
