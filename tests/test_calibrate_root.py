@@ -67,11 +67,13 @@ def test_calibrate_fits_the_tbf_rate_within_10_percent(tmp_path, monkeypatch):
     assert doc["topology"]["name"] == "cal100m" and doc["library"]["name"] == "gloo"
     # host coupling: a progress rate under compute (wire-bound at 100 Mbit/s: most of the way on)
     # and gloo's CPU per rank per byte (the same order as a memcpy plus a TCP round and the relay's
-    # copy: 9-11 ns/B on one instance of the 2-core machine, 20-27 on a slower one)
+    # copy: 9-11 ns/B on one instance of the 2-core machine, 20-27 on a slower one, 56.5 in a full
+    # fresh-clone suite on a slow day). The bound catches a unit or fit error, which reads orders of
+    # magnitude off; how fast the host is belongs to the benchmarks, not here.
     busy, cpu = doc["busy_progress"], doc["cpu_cost"]
     assert 0.0 <= busy["rate"] <= 1.0 and len(busy["rates"]) == 31
     assert len(busy["lost_compute_s"]) == 2 and all(0.0 <= x <= busy["compute_s"] for x in busy["lost_compute_s"])
-    assert 0.1e-9 <= cpu["per_byte_s"] <= 50e-9 and cpu["per_op_s"] >= 0.0
+    assert 0.1e-9 <= cpu["per_byte_s"] <= 200e-9 and cpu["per_op_s"] >= 0.0
     assert "busy progress:" in r.stdout and "cpu cost per rank:" in r.stdout
     # and its stall: compute windows halving from the op's idle time, 31 samples each, one fit;
     # each beside the smallest swept op that lasts 0.9 of it, with that op's idle samples

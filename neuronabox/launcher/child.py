@@ -142,7 +142,8 @@ def _write_record(path: str) -> None:
     }
     inner = getattr(emu.model, "inner", emu.model)
     if getattr(inner, "hardware_source", ""):  # the nccl model: which hardware profile timed the run, and its error
-        data["hardware"] = [inner.hardware_source, *inner.accuracy_notes()]
+        notes = getattr(inner, "accuracy_notes", None)  # a plug-in model may name a source and have no notes
+        data["hardware"] = [inner.hardware_source, *(notes() if notes else ())]
     effects = getattr(emu, "effects", ())
     if effects:  # what the host effects did in this run, one line each (host_effects/)
         data["host_effects"] = [e.describe() for e in effects]
