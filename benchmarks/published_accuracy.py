@@ -218,11 +218,11 @@ def with_accuracy(prof: HardwareProfile, rows, several_systems: bool, stood_in=(
     ``stood_in``: the rows of systems it stood in for (the only profile of their generation and
     fabrics left out), whose leave-one-out column it timed.
     """
-    def loo_means(rs):
-        return [statistics.fmean(abs(e) for e in errs) for r in rs if (errs := large_size_errors(r["cells"]["leave-one-out"]))]
+    def loo(rs):
+        return [large_size_errors(r["cells"]["leave-one-out"]) for r in rs]
 
-    found = accuracy([large_size_errors(r["cells"]["shipped"]) for r in rows], loo_means(rows) if several_systems else (),
-                     by="benchmarks/results/published_accuracy.md", stand_in=loo_means(stood_in))
+    found = accuracy([large_size_errors(r["cells"]["shipped"]) for r in rows], loo(rows) if several_systems else (),
+                     by="benchmarks/results/published_accuracy.md", stand_in=loo(stood_in))
     return prof.model_copy(update={"accuracy": found})
 
 

@@ -276,18 +276,21 @@ def large_size_errors(rows) -> list[float]:
     return [t_us / meas_us - 1 for size, meas_us, t_us, *_ in rows if size >= MIB and meas_us > 0]
 
 
-def accuracy(errors_per_log: Sequence[Sequence[float]], unseen: Sequence[float] = (), by: str = "",
-             stand_in: Sequence[float] = ()) -> Accuracy | None:
-    """A profile's ``accuracy`` from each log's errors at >= 1 MiB.
+def accuracy(errors_per_log: Sequence[Sequence[float]], unseen: Sequence[Sequence[float]] = (), by: str = "",
+             stand_in: Sequence[Sequence[float]] = ()) -> Accuracy | None:
+    """A profile's ``accuracy`` from each log's relative errors at >= 1 MiB (``large_size_errors``).
 
-    ``unseen``: each log's mean |error| with its system left out of the fit; ``stand_in``: the same
-    on the logs of systems of other generations that the profile stood in for.
+    ``unseen``: the same per log with its system left out of the fit; ``stand_in``: per log of the
+    systems of other generations that the profile stood in for. A log without such sizes counts nowhere.
     """
-    logs = [[abs(e) for e in errs] for errs in errors_per_log if errs]
-    if not logs:
+    def means(per_log):
+        return [statistics.fmean(abs(e) for e in errs) for errs in per_log if errs]
+
+    fitted, left_out, stood_in = means(errors_per_log), means(unseen), means(stand_in)
+    if not fitted:
         return None
-    return Accuracy(logs=len(logs), mean_pct=100 * statistics.median(statistics.fmean(x) for x in logs),
-                    largest_pct=100 * max(max(x) for x in logs),
-                    unseen_pct=100 * statistics.median(unseen) if unseen else None,
-                    stand_in_pct=100 * statistics.median(stand_in) if stand_in else None, stand_in_logs=len(stand_in) or None,
-                    by=by)
+    return Accuracy(logs=len(fitted), mean_pct=100 * statistics.median(fitted),
+                    largest_pct=100 * max(abs(e) for errs in errors_per_log for e in errs),
+                    unseen_pct=100 * statistics.median(left_out) if left_out else None,
+                    stand_in_pct=100 * statistics.median(stood_in) if stood_in else None,
+                    stand_in_logs=len(stood_in) or None, by=by)

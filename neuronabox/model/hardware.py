@@ -30,7 +30,7 @@ from ..errors import InputError
 from .devices import compute_capability, known
 
 __all__ = ["Section", "HardwareProfile", "Accuracy", "Resolved", "load_profile", "shipped_profiles", "resolve_sections",
-           "nearest", "accuracy_note", "PROTOCOLS", "NETWORK_FABRICS"]
+           "nearest", "accuracy_note", "distinct", "PROTOCOLS", "NETWORK_FABRICS"]
 
 PROTOCOLS = ("LL", "LL128", "Simple")
 # tcpxo: GCP's GPUDirect-TCPXO (A3 Mega), which offloads what TCPX (A3 High, "tcp") leaves to the
@@ -296,7 +296,12 @@ def resolve_sections(hardware: str | None, source: str, device: str, intra: str,
         names.append(f"{prof.name} (nearest generation)")
         used.append((prof, True))
     return Resolved(node, net, " + ".join(dict.fromkeys(names)) or "none matched (NCCL's own tuning times)",
-                    tuple({(p.name, stand_in): (p, stand_in) for p, stand_in in used}.values()))
+                    distinct(used))
+
+
+def distinct(used) -> tuple[tuple[HardwareProfile, bool], ...]:
+    """(profile, stand-in) pairs, each once, in order (profiles are not hashable: their lists)."""
+    return tuple({(p.name, stand_in): (p, stand_in) for p, stand_in in used}.values())
 
 
 def accuracy_note(profile: HardwareProfile, stand_in: bool = False) -> str:

@@ -315,7 +315,7 @@ class NcclModel(CommModel):
             self._sections[key] = (found.node, found.network)
             self.hardware_source = found.where
             # Every profile behind the groups timed so far (a mixed cluster resolves one per node kind).
-            self.hardware_used = tuple({(p.name, near): (p, near) for p, near in self.hardware_used + found.used}.values())
+            self.hardware_used = hardware.distinct(self.hardware_used + found.used)
         return self._sections[key]
 
     # ---- hot path -----------------------------------------------------------------------------
