@@ -83,7 +83,9 @@ def models() -> None:
 @app.command()
 def bench(
     topology: Path = typer.Argument(..., help="Topology YAML file."),
-    op: str = typer.Option("all_reduce", "-o", "--op", help="Collective, or 'all'."),
+    op: Optional[str] = typer.Option(
+        None, "-o", "--op", help="Collective, or 'all' (default all_reduce; with --compare, the log's)."
+    ),
     minbytes: str = typer.Option("8", "-b", "--minbytes", help="Smallest size (8, 1K, 64MiB)."),
     maxbytes: str = typer.Option("128M", "-e", "--maxbytes", help="Largest size."),
     stepfactor: float = typer.Option(2.0, "-f", "--stepfactor", help="Multiply the size by this each row."),
@@ -115,13 +117,14 @@ def bench(
     from ..report.nccl_tests import format_table
 
     topo = with_profile(topo, profile, model)
-    if compare:
-        _compare(topo, compare, model)
-        return
     try:
-        ops = list(Op) if op == "all" else [Op.parse(op)]
+        ops = list(Op) if op == "all" else [Op.parse(op or "all_reduce")]
     except ValueError as exc:
         raise InputError(f"--op: {exc}") from None
+    if compare:
+        # A named op is checked against each log's own (a log of another collective is refused); else the log says.
+        _compare(topo, compare, model, ops[0] if op and op != "all" else None)
+        return
     if dtype not in DTYPES:
         raise InputError(f"--datatype: unknown type {dtype!r} (choose from {', '.join(DTYPES)})")
     sizes = sweep_sizes(
@@ -171,7 +174,7 @@ def _channel_bounds(topo) -> str:
     return f", {', '.join(parts)}" if parts else ""
 
 
-def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
+def _compare(topo, logs: List[Path], model: Optional[str], op=None) -> None:
     """``bench --compare``: the topology's model at each log's sizes, beside the log."""
     from ..fidelity.hardware_fit import compare_rows, measured_points
     from ..fidelity.nccl_log import read_log
@@ -180,7 +183,7 @@ def _compare(topo, logs: List[Path], model: Optional[str]) -> None:
 
     m = create_model(topo, model)
     for path in logs:
-        measured = measured_points(topo, read_log(path, default_ranks=topo.world_size))
+        measured = measured_points(topo, read_log(path, op, default_ranks=topo.world_size))
         inner = getattr(m, "inner", m)
         rows = compare_rows(measured, use_topology=True, model=m)
         where = getattr(inner, "hardware_source", "")

@@ -184,9 +184,10 @@ def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = 
 
 def op_from_filename(path: str | Path) -> Op | None:
     """The op a file name like ``all_reduce_perf.txt`` or ``h100_alltoall.log`` names, if any."""
-    name = Path(path).name.lower()
+    # Without separators, so that allgather.log and all-gather.txt name all_gather, not gather.
+    name = Path(path).name.lower().replace("_", "").replace("-", "")
     for key in sorted(OP_OF_BINARY, key=len, reverse=True):
-        if key in name:
+        if key.replace("_", "") in name:
             return OP_OF_BINARY[key]
     return None
 

@@ -326,6 +326,10 @@ class NcclModel(CommModel):
         if tables.n_ranks == 1:
             # NCCL returns at once for a single rank (the cost table is Ring/Simple = 0).
             return Estimate(0.0, "ring", "Simple", None)
+        if nbytes <= 0 and op not in (Op.SEND_RECV, Op.BARRIER):
+            # NCCL drops a collective of count 0 before it is queued (taskAppend), and nccl-tests reads
+            # 0.13-0.25 us for such rows, all-to-all's too: nothing is launched.
+            return Estimate(0.0, "ring", "Simple", None)
         if not 0 <= root < tables.n_ranks:
             root = 0
         if op in _P2P_OPS:
