@@ -134,6 +134,35 @@ def test_unsupported_algorithm_names_emulation_algorithm():
     assert err.value.path == "emulation.algorithm"
 
 
+def test_nccl_algo_and_proto_lists_enable_what_they_name():
+    # GCP's TCPXO profile: NCCL_ALGO=Ring,Tree NCCL_PROTO=Simple (and NCCL_NVLS_ENABLE=0, which the list implies).
+    gcp = create_model(topo(nodes=2, algo='"Ring,Tree"', proto="Simple"), "nccl")
+    assert (gcp.algorithm, gcp.protocol) == ("ring,tree", "Simple")
+    picks = {(e.algorithm, e.protocol) for k in range(3, 34, 2) for op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.BROADCAST)
+             for e in [gcp.estimate(op, 1 << k, range(16))]}
+    assert {a for a, _ in picks} == {"ring", "tree"} and {p for _, p in picks} == {"Simple"}
+    free = create_model(topo(nodes=2), "nccl")
+    assert free.estimate(Op.ALL_REDUCE, 1 << 32, range(16)).algorithm == "nvls_tree"
+    assert free.estimate(Op.ALL_REDUCE, 1 << 10, range(16)).protocol == "LL"
+    # A leading ^ excludes: no NVLS on one node, and LL128 stays at NCCL's default (on, over NVLink).
+    no_nvls = create_model(topo(algo='"^nvls,NVLSTree"', proto='"^LL"'), "nccl")
+    assert no_nvls.algorithm == "^nvls,nvls_tree"
+    est = no_nvls.estimate(Op.ALL_REDUCE, 1 << 30, range(8))
+    assert est.algorithm == "ring" and create_model(topo(), "nccl").estimate(Op.ALL_REDUCE, 1 << 30, range(8)).algorithm == "nvls"
+    assert {no_nvls.estimate(Op.ALL_REDUCE, 1 << k, range(8)).protocol for k in range(3, 31)} <= {"LL128", "Simple"}
+
+
+@pytest.mark.parametrize("algo,proto,field,needle", [
+    ('"ring,trie"', "auto", "emulation.algorithm", "'trie' in 'ring,trie' is not an algorithm"),
+    ("auto", '"Simple,LL256"', "emulation.protocol", "'LL256' is not a protocol"),  # refused as the file loads
+    ('"^ring,tree,nvls,nvls_tree,pat"', "auto", "emulation.algorithm", "leaves no algorithm"),
+])
+def test_bad_nccl_lists_name_the_field(algo, proto, field, needle):
+    with pytest.raises(TopologyError, match=needle) as err:
+        create_model(topo(algo=algo, proto=proto), "nccl")
+    assert err.value.path == field
+
+
 def test_unknown_nccl_version_names_emulation_nccl_version():
     with pytest.raises(TopologyError) as err:
         create_model(topo(version="2.3"), "nccl")

@@ -144,6 +144,15 @@ class CommModel(ABC):
     algorithms: ClassVar[tuple[str, ...]] = ()
     protocols: ClassVar[tuple[str, ...]] = ()
 
+    @classmethod
+    def check_choice(cls, kind: str, value: str) -> str:
+        """``value`` of ``kind`` (algorithm or protocol) as the model takes it; ValueError says what it offers."""
+        allowed = cls.algorithms if kind == "algorithm" else cls.protocols
+        if value == "auto" or not allowed or value in allowed:
+            return value
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ValueError(f"{value!r} is not {article} {kind} of model {cls.name!r} (choose from auto, {', '.join(allowed)})")
+
     def __init__(
         self,
         topology: Topology,

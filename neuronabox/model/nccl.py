@@ -137,6 +137,32 @@ _BARRIER_BYTES = 4
 _P2P_OPS = (Op.ALL_TO_ALL, Op.GATHER, Op.SCATTER, Op.SEND_RECV)
 
 
+def _parse_choice(kind: str, value: str, names: Sequence[str]) -> tuple[tuple[str, ...] | None, str]:
+    """The names ``value`` enables in NCCL_ALGO / NCCL_PROTO's syntax (case and ``_`` ignored; a leading ``^``
+    excludes the list), None for auto, and the value's canonical spelling."""
+    text = value.strip()
+    if text.lower() == "auto":
+        return None, "auto"
+    exclude = text.startswith("^")
+    by_key = {n.lower().replace("_", ""): n for n in names}
+    listed = set()
+    for part in text.lstrip("^").split(","):
+        name = by_key.get(part.strip().lower().replace("_", ""))
+        if name is None:
+            env = "NCCL_ALGO" if kind == "algorithm" else "NCCL_PROTO"
+            raise ValueError(
+                f"{part.strip()!r}{f' in {value!r}' if part.strip() != text else ''} is not "
+                f"a{'n' if kind[0] in 'aeiou' else ''} {kind} of model 'nccl' "
+                f"(choose from auto, {', '.join(names)}; or a list as {env} takes it: {names[0]},{names[1]} or ^{names[-1]})"
+            )
+        listed.add(name)
+    enabled = tuple(n for n in names if (n in listed) != exclude)
+    if not enabled:
+        raise ValueError(f"{value!r} leaves no {kind} of model 'nccl' enabled")
+    canonical = ("^" if exclude else "") + ",".join(n for n in names if n in listed)
+    return enabled, canonical
+
+
 def _log2i(n: int) -> int:
     # NCCL's log2i: floor(log2(n)), -1 for 0.
     return n.bit_length() - 1
@@ -261,6 +287,11 @@ class NcclModel(CommModel):
     algorithms = ("ring", "tree", "nvls", "nvls_tree", "pat")
     protocols = PROTO_NAMES
 
+    @classmethod
+    def check_choice(cls, kind: str, value: str) -> str:
+        """One name, or a list as NCCL_ALGO / NCCL_PROTO take it (``ring,tree``, ``^nvls,nvls_tree``), made canonical."""
+        return _parse_choice(kind, value, cls.algorithms if kind == "algorithm" else cls.protocols)[1]
+
     def __init__(self, topology: Topology, graph: ClusterGraph | None = None, **choices: str | None):
         # algorithm/protocol are checked against `algorithms`/`protocols` by the registry.
         super().__init__(topology, graph, **choices)
@@ -274,12 +305,18 @@ class NcclModel(CommModel):
             )
         self.release = release
         self.c = _CONSTANTS[release]
-        if self.protocol not in ("auto", *self.protocols):
-            choices = ", ".join(self.protocols)
-            message = f"{self.protocol!r} is not a protocol of model 'nccl' (choose from auto, {choices})"
-            raise TopologyError(topology.source, "emulation.protocol", message)
-        self._forced_algo = None if self.algorithm == "auto" else ALGO_NAMES.index(self.algorithm)
-        self._forced_proto = None if self.protocol == "auto" else PROTO_NAMES.index(self.protocol)
+        enabled = {}
+        for kind, value, names in (("algorithm", self.algorithm, self.algorithms), ("protocol", self.protocol, self.protocols)):
+            try:
+                enabled[kind] = _parse_choice(kind, value, names)[0]
+            except ValueError as exc:
+                raise TopologyError(topology.source, f"emulation.{kind}", str(exc)) from None
+        algos, protos = enabled["algorithm"], enabled["protocol"]
+        # The enabled sets (None: NCCL's defaults), and whether LL128 was named outright, which turns it on
+        # where NCCL's default leaves it off (pEnable 1, not 2); "^LL" leaves LL128 at its default.
+        self._algos = None if algos is None else frozenset(ALGO_NAMES.index(a) for a in algos)
+        self._protos = None if protos is None else frozenset(PROTO_NAMES.index(p) for p in protos)
+        self._ll128_named = protos is not None and "LL128" in protos and not self.protocol.strip().startswith("^")
         self._tables: dict[Group, _GroupTables] = {}
         self._sections: dict[tuple[str, str], tuple] = {}
         self._override: tuple | None = None  # use_hardware's sections
@@ -502,7 +539,7 @@ class NcclModel(CommModel):
         candidates = {
             func: tuple(
                 self._tune(func, n_ranks, n_nodes, ppn, cc_idx, min_cc, max_cc, intra_hw, nvlink, ring_graph,
-                           nvls_graph, lat_inter_s * 1e6, self._forced_algo, self._forced_proto)
+                           nvls_graph, lat_inter_s * 1e6, self._algos, self._protos)
             )
             for func in range(5)
         }
@@ -589,8 +626,11 @@ class NcclModel(CommModel):
         return _Graph(n, s, min(s, inter_gbps / n) if math.isfinite(inter_gbps) else s)
 
     def _tune(self, func, n_ranks, n_nodes, ppn, cc_idx, min_cc, max_cc, intra_hw, nvlink, ring, nvls, lat_inter_us,
-              forced_algo, forced_proto):
-        """ncclTopoTuneModel for one function: the enabled (algo, proto) candidates with latency and bandwidth."""
+              algos, protos):
+        """ncclTopoTuneModel for one function: the enabled (algo, proto) candidates with latency and bandwidth.
+
+        ``algos`` / ``protos``: the sets NCCL_ALGO / NCCL_PROTO enable (None: every one NCCL's defaults allow).
+        """
         c = self.c
         index2 = n_nodes - 1 if n_nodes <= 2 else 2
         index1 = cc_idx if n_nodes == 1 else 0  # multi-node LL cap follows the CPU: Intel row
@@ -628,11 +668,11 @@ class NcclModel(CommModel):
                     continue
                 # NCCL's default leaves LL128 off outside NVLink (untested there, it says); a user who
                 # names it in NCCL_PROTO turns it on anyway (pEnable 1, not the default 2).
-                if p == LL128 and not ll128_enabled and forced_proto != LL128:
+                if p == LL128 and not ll128_enabled and not self._ll128_named:
                     continue
-                if forced_algo is not None and a != forced_algo:
+                if algos is not None and a not in algos:
                     continue
-                if forced_proto is not None and p != forced_proto:
+                if protos is not None and p not in protos:
                     continue
                 bw = graph.bw_intra if n_nodes <= 2 else graph.bw_inter
                 if a in (NVLS, NVLS_TREE):
@@ -667,11 +707,11 @@ class NcclModel(CommModel):
                     continue
                 lat = self._latency(func, a, p, n_ranks, n_nodes, ppn, nsteps, intra_hw, hw_ring, lat_inter_us)
                 out.append(_Candidate(a, p, lat, bus_bw))
-        if not out and (forced_algo is not None or forced_proto is not None):
+        if not out and (algos is not None or protos is not None):
             # A forced algorithm/protocol that this function lacks (tree for all-gather, LL for NVLS):
             # NCCL keeps ring available as a backup; its protocols compete as usual.
             return self._tune(func, n_ranks, n_nodes, ppn, cc_idx, min_cc, max_cc, intra_hw, nvlink, ring, nvls,
-                              lat_inter_us, RING, None)
+                              lat_inter_us, frozenset((RING,)), None)
         return out
 
     def _latency(self, func, a, p, n_ranks, n_nodes, ppn, nsteps, intra_hw, hw_ring, lat_inter_us, c=None) -> float:

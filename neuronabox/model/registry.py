@@ -73,23 +73,22 @@ def create_model(
     src = topology.source
     chosen = name if name is not None else topology.emulation.model
     cls = model_class(chosen, None if name is not None else (src, "emulation.model"))
-    algo = _choice("algorithm", algorithm, topology.emulation.algorithm, cls.algorithms, chosen, src)
-    proto = _choice("protocol", protocol, topology.emulation.protocol, cls.protocols, chosen, src)
+    algo = _choice(cls, "algorithm", algorithm, topology.emulation.algorithm, src)
+    proto = _choice(cls, "protocol", protocol, topology.emulation.protocol, src)
     model = cls(topology, graph, algorithm=algo, protocol=proto)
     if whatif and topology.whatif.inject:
         return WhatIfModel(model)
     return model
 
 
-def _choice(kind: str, flag: str | None, from_file: str, allowed: tuple[str, ...], model: str, src: str) -> str:
-    """The flag's value or the file's, checked against what the model offers; errors name where it came from."""
-    value = flag if flag is not None else from_file
-    if value == "auto" or not allowed or value in allowed:
-        return value
-    message = f"{value!r} is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} of model {model!r} (choose from auto, {', '.join(allowed)})"
-    if flag is not None:
-        raise InputError(f"--{kind}: {message}")
-    raise TopologyError(src, f"emulation.{kind}", message)
+def _choice(cls: type[CommModel], kind: str, flag: str | None, from_file: str, src: str) -> str:
+    """The flag's value or the file's, as the model takes it; errors name where it came from."""
+    try:
+        return cls.check_choice(kind, flag if flag is not None else from_file)
+    except ValueError as exc:
+        if flag is not None:
+            raise InputError(f"--{kind}: {exc}") from None
+        raise TopologyError(src, f"emulation.{kind}", str(exc)) from None
 
 
 class WhatIfModel(CommModel):

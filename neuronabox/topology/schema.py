@@ -221,8 +221,14 @@ class Emulation(_Strict):
 
     real_ranks: list[Annotated[int, Field(ge=0, lt=MAX_WORLD, strict=True)]] = Field(default_factory=lambda: [0])
     library: Library = "nccl"
-    algorithm: str = Field("auto", description="auto, or an algorithm of the model (ring, tree, rhd, direct, hier-ring, …)")
-    protocol: Literal["auto", "LL", "LL128", "Simple"] = "auto"
+    algorithm: str = Field(
+        "auto",
+        description="auto, or an algorithm of the model (ring, tree, rhd, direct, hier-ring, …); model nccl also takes a "
+        "list as NCCL_ALGO does (ring,tree; ^nvls,nvls_tree to disable NVLS)",
+    )
+    protocol: str = Field(
+        "auto", description="auto, LL, LL128 or Simple (model nccl); a list as NCCL_PROTO takes it (Simple,LL128; ^LL)"
+    )
     model: str = Field("alpha-beta", description="delay model: alpha-beta, nccl, flow, or a plugin's name")
     nccl_version: str = Field("2.28", description="NCCL release whose tuning constants the nccl model uses")
     nccl_tuner: Literal["auto", "nccl", "aws-ofi"] = Field(
@@ -260,6 +266,16 @@ class Emulation(_Strict):
         description="calibration profile (written by nbox calibrate) that model calibrated reads; a path, relative "
         "to this file's folder; naming one makes calibrated the default model",
     )
+
+    @field_validator("protocol")
+    @classmethod
+    def _nccl_protocols(cls, value: str) -> str:
+        # NCCL's protocols are the same for every model that has any: refuse a typo when the file loads.
+        if value.strip().lower() != "auto":
+            for name in value.strip().lstrip("^").split(","):
+                if name.strip().lower() not in ("ll", "ll128", "simple"):
+                    raise ValueError(f"{name.strip()!r} is not a protocol (auto, LL, LL128, Simple, or a list of them as NCCL_PROTO takes it)")
+        return value
 
     @model_validator(mode="after")
     def _channel_bounds(self) -> "Emulation":
