@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -386,6 +387,53 @@ def test_a_run_on_the_nccl_model_names_its_hardware_profile_and_its_error(tmp_pa
     assert f"hardware   │ profile {model.hardware_source}" in r.stdout, r.stdout  # the summary's row
 
 
+def test_a_run_takes_nccls_limits_from_the_environment_as_nccl_does(tmp_path):
+    # NCCL_PROTO from the launching shell (a cluster's NCCL profile sourced first), NCCL_ALGO set by the script
+    # itself before its first communicator: NCCL reads both; the topology leaves them at auto.
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=2, extra=""))
+    (tmp_path / "train.py").write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "os.environ['NCCL_ALGO'] = 'Ring'\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(1 << 18))\n"
+        "dist.destroy_process_group()\n"
+    )
+    default = create_model(parse_topology(H100.format(nodes=2, extra=""), "t.yaml"), "nccl")
+    assert default.estimate(Op.ALL_REDUCE, 1 << 20, range(16)).algorithm != "ring"
+    env = {**os.environ, "NCCL_PROTO": "Simple"}
+    r = subprocess.run([sys.executable, "-m", "neuronabox.cli", "run", "t.yaml", "--report", "r.json", "--", sys.executable,
+                        "train.py"], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["nccl_env"] == ["NCCL_ALGO=Ring", "NCCL_PROTO=Simple"]
+    assert {o["algorithm"] for o in report["ops"] if o["op"] == "all_reduce"} == {"ring"}
+    assert "NCCL environment │ NCCL_ALGO=Ring NCCL_PROTO=Simple" in r.stdout, r.stdout
+    # A value NCCL would refuse stops the run before the script starts, naming the variable.
+    env["NCCL_PROTO"] = "LL256"
+    r = subprocess.run([sys.executable, "-m", "neuronabox.cli", "run", "t.yaml", "--", sys.executable, "train.py"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    assert r.returncode == 2 and "environment NCCL_PROTO='LL256'" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_nccl_environment_fills_what_the_topology_leaves_open():
+    from neuronabox.model.nccl_env import from_environment
+
+    open_topo = parse_topology(H100.format(nodes=1, extra=""), "t.yaml")
+    topo, taken = from_environment(open_topo, {"NCCL_NVLS_ENABLE": "0", "NCCL_MIN_NCHANNELS": "4", "NCCL_MIN_CTAS": "8",
+                                               "NCCL_DEBUG": "INFO"})
+    em = topo.emulation
+    assert (em.algorithm, em.min_channels) == ("^nvls,nvls_tree", 8) and taken == ["NCCL_NVLS_ENABLE=0", "NCCL_MIN_CTAS=8"]
+    assert create_model(topo, "nccl").estimate(Op.ALL_REDUCE, 1 << 30, range(8)).algorithm == "ring"
+    topo, _ = from_environment(open_topo, {"NCCL_ALGO": "NVLS,Tree", "NCCL_NVLS_ENABLE": "0"})
+    assert topo.emulation.algorithm == "tree"
+    pinned = parse_topology(H100.format(nodes=1, extra=", algorithm: nvls, protocol: Simple"), "t.yaml")
+    assert from_environment(pinned, {"NCCL_ALGO": "Ring", "NCCL_PROTO": "LL", "NCCL_NVLS_ENABLE": "0"}) == (pinned, [])
+    for env, needle in (({"NCCL_NVLS_ENABLE": "off"}, "expected 0, 1 or 2"), ({"NCCL_MAX_CTAS": "0"}, "from 1 to 64"),
+                        ({"NCCL_MIN_CTAS": "16", "NCCL_MAX_CTAS": "4"}, "16 is above its maximum 4")):
+        with pytest.raises(InputError, match=needle):
+            from_environment(open_topo, env)
+
+
 def test_a_generation_without_a_profile_on_a_fabric_takes_the_nearest_generations():
     # A100s over RoCE: no a100-roce profile ships; the network section is the nearest generation's
     # on RoCE (Hopper), newer on a tie, and the report says so. A device of no known generation
@@ -451,3 +499,6 @@ def test_a_collective_of_no_bytes_costs_nothing_as_nccl_drops_it():
         assert model.estimate(op, 0, range(16)).duration == 0.0
         assert model.estimate(op, 4096, range(16)).duration > 1e-6
     assert model.estimate(Op.BARRIER, 0, range(16)).duration > 1e-6  # a barrier is a small all-reduce of its own
+    # bench --compare shows such rows but counts no error for them.
+    text = format_compare([(0, 0.13, 0.0, 0.0, 0.0, "ring/Simple"), (1024, 16.0, 16.8, 0.06, 0.06, "ring/LL")], ["h"])
+    assert text.splitlines()[6].split()[-2] == "-" and "below 1 MiB: 5.0% (mean 5.0%, 1 sizes)" in text

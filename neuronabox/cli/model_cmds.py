@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -117,13 +118,20 @@ def bench(
     from ..report.nccl_tests import format_table
 
     topo = with_profile(topo, profile, model)
+    env_note: list[str] = []
+    if (model or topo.emulation.model) == "nccl":
+        from ..model.nccl_env import from_environment
+
+        # nccl-tests on the cluster runs under the job's NCCL_ALGO / NCCL_PROTO / NCCL_NVLS_ENABLE; so does the model.
+        topo, taken = from_environment(topo, os.environ)
+        env_note = [f"NCCL environment: {' '.join(taken)}"] if taken else []
     try:
         ops = list(Op) if op == "all" else [Op.parse(op or "all_reduce")]
     except ValueError as exc:
         raise InputError(f"--op: {exc}") from None
     if compare:
         # A named op is checked against each log's own (a log of another collective is refused); else the log says.
-        _compare(topo, compare, model, ops[0] if op and op != "all" else None)
+        _compare(topo, compare, model, ops[0] if op and op != "all" else None, env_note)
         return
     if dtype not in DTYPES:
         raise InputError(f"--datatype: unknown type {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -153,6 +161,7 @@ def bench(
         + (f", hardware profile {hw}" if (hw := getattr(getattr(m, "inner", m), "hardware_source", "")) else "")
         + _channel_bounds(topo),
         *_accuracy_notes(m),
+        *env_note,
         f"minBytes {sizes[0]} maxBytes {sizes[-1]} step: {stepbytes or f'{stepfactor:g}(factor)'}",
     ]
     for i, o in enumerate(ops):
@@ -174,7 +183,7 @@ def _channel_bounds(topo) -> str:
     return f", {', '.join(parts)}" if parts else ""
 
 
-def _compare(topo, logs: List[Path], model: Optional[str], op=None) -> None:
+def _compare(topo, logs: List[Path], model: Optional[str], op=None, env_note: List[str] = ()) -> None:
     """``bench --compare``: the topology's model at each log's sizes, beside the log."""
     from ..fidelity.hardware_fit import compare_rows, measured_points
     from ..fidelity.nccl_log import read_log
@@ -191,5 +200,5 @@ def _compare(topo, logs: List[Path], model: Optional[str], op=None) -> None:
                 f"{measured.n_nodes} node(s)", f"log {path}: {measured.log.op.value}"
                 + (f", NCCL {measured.log.nccl_version}" if measured.log.nccl_version else ""),
                 f"model {m.name}" + (f", hardware profile {where}" if where else "") + _channel_bounds(topo),
-                *_accuracy_notes(m)]
+                *_accuracy_notes(m), *env_note]
         sys.stdout.write(format_compare(rows, head, measured.log.timing_gaps(ROUGH)) + "\n\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -69,6 +70,10 @@ def run(
     if changes:
         topo = topo.with_changes(emulation=changes)
     create_model(topo)  # a bad model, algorithm or NCCL release fails here, before the script starts
+    if topo.emulation.model == "nccl":
+        from ..model.nccl_env import from_environment
+
+        from_environment(topo, os.environ)  # and a bad NCCL_ALGO or the like, which the ranks read as NCCL does
     real = rank if rank is not None else topo.emulation.real_ranks[0]
     if warmup is not None and warmup < 0:
         raise InputError(f"--warmup: must be 0 or more, got {warmup}")

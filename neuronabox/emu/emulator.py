@@ -87,6 +87,7 @@ class Emulator:
 
                 real_ranks = parse_real_ranks(os.environ[ENV_REAL_RANKS], self.world_size, real_rank)
         self.real_ranks: tuple[int, ...] = tuple(sorted(set(real_ranks)))
+        self.nccl_env: list[str] = []  # the NCCL_* limits taken from the environment (model/nccl_env.py)
         self.hybrid = None
         if len(self.real_ranks) > 1:
             from .hybrid import HybridContext
@@ -189,5 +190,14 @@ def current() -> Emulator:
                 "call neuronabox.emu.api.init(topology) first, or set NBOX_TOPOLOGY"
             )
         rank = int(os.environ.get(ENV_REAL_RANK, os.environ.get("RANK", "0")))
-        _current = Emulator(load_topology(Path(path)), rank, os.environ.get(ENV_MODEL) or None)
+        topology = load_topology(Path(path))
+        model = os.environ.get(ENV_MODEL) or None
+        taken: list[str] = []
+        if (model or topology.emulation.model) == "nccl":
+            from ..model.nccl_env import from_environment
+
+            # Read as NCCL reads them, when the script's first communicator comes up: its own settings count.
+            topology, taken = from_environment(topology, os.environ)
+        _current = Emulator(topology, rank, model)
+        _current.nccl_env = taken
     return _current

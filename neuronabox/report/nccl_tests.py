@@ -59,10 +59,11 @@ def format_compare(rows: Sequence[tuple[int, float, float, float, float, str]], 
         "#        (B)      (us)   (GB/s)      (us)   (GB/s)   (time)",
     ]
     for size, t_meas, t_model, bw_meas, bw_model, algo in rows:
-        err = t_model / t_meas - 1 if t_meas > 0 else float("nan")
-        lines.append(f"{size:12d}  {_time(t_meas)}  {bw_meas:7.2f}   {_time(t_model)}  {bw_model:7.2f}  {err:+7.1%}  {algo}")
+        # A row of 0 B (a count that rounds to nothing) times no collective: NCCL launches nothing for it.
+        err = f"{t_model / t_meas - 1:+7.1%}" if t_meas > 0 and size > 0 else "      -"
+        lines.append(f"{size:12d}  {_time(t_meas)}  {bw_meas:7.2f}   {_time(t_model)}  {bw_model:7.2f}  {err}  {algo}")
     big = [abs(r[2] / r[1] - 1) for r in rows if r[0] >= 1 << 20 and r[1] > 0]
-    small = [abs(r[2] / r[1] - 1) for r in rows if r[0] < 1 << 20 and r[1] > 0]
+    small = [abs(r[2] / r[1] - 1) for r in rows if 0 < r[0] < 1 << 20 and r[1] > 0]
     if big:
         lines.append(f"# Largest |error| at >=1 MiB : {max(big):.1%} (mean {sum(big) / len(big):.1%}, {len(big)} sizes)")
     if small:

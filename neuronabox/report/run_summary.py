@@ -111,6 +111,7 @@ def summarize(record: dict[str, Any], warmup: int | None = None, meta: dict[str,
         "lateness": _stats(lateness),
         "communicators": record.get("communicators", {}),
         **({"hardware": record["hardware"]} if record.get("hardware") else {}),
+        **({"nccl_env": record["nccl_env"]} if record.get("nccl_env") else {}),
         **({"host_effects": record["host_effects"]} if record.get("host_effects") else {}),
         **({"roles": roles} if roles else {}),
         "ops": ops,
@@ -198,9 +199,11 @@ def _rank_tables(report: dict[str, Any]) -> list[Table]:
 
 
 def _hardware_rows(t: Table, report: dict[str, Any]) -> None:
-    """The nccl model's hardware profile and the error it showed against measurements (model/hardware.py)."""
+    """The nccl model's hardware profile, the error it showed against measurements, and the NCCL_* limits it took."""
     for i, line in enumerate(report.get("hardware") or ()):
         t.add_row("hardware" if i == 0 else "", f"profile {line}" if i == 0 else line)
+    if report.get("nccl_env"):
+        t.add_row("NCCL environment", " ".join(report["nccl_env"]))
 
 
 def _t(seconds: float | None) -> str:
