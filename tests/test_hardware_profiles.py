@@ -434,6 +434,26 @@ def test_nccl_environment_fills_what_the_topology_leaves_open():
             from_environment(open_topo, env)
 
 
+def test_a_logs_own_nccl_environment_limits_the_model_that_times_it(tmp_path, truth_times):
+    # NCCL_DEBUG=INFO prints what NCCL read; the run was Simple-only, so its comparison and its fit are too.
+    info = ("host0:100:100 [0] NCCL INFO NCCL_DEBUG set by environment to INFO\n"
+            "host0:100:100 [0] NCCL INFO NCCL_PROTO set by environment to Simple\n")
+    text = log_text(truth_times).replace("#\n" + HEADER, info + "#\n" + HEADER)
+    log = parse_log(text, "all_reduce_perf.txt")
+    assert log.env == (("NCCL_DEBUG", "INFO"), ("NCCL_PROTO", "Simple"))
+    topo = parse_topology(H100.format(nodes=1, extra=""), "t.yaml")
+    assert hf.measured_points(topo, log).topology.emulation.protocol == "Simple"
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=1, extra=""))
+    (tmp_path / "all_reduce_perf.txt").write_text(text)
+    r = nbox("bench", "t.yaml", "--compare", "all_reduce_perf.txt", cwd=tmp_path)
+    assert r.returncode == 0 and "# the log's NCCL environment: NCCL_PROTO=Simple" in r.stdout, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.strip()[:1].isdigit()]
+    assert rows and all(row[-1].endswith("/Simple") for row in rows)
+    (tmp_path / "all_reduce_perf.txt").write_text(text.replace("to Simple", "to LL256"))
+    r = nbox("bench", "t.yaml", "--compare", "all_reduce_perf.txt", cwd=tmp_path)
+    assert r.returncode == 2 and "all_reduce_perf.txt: environment NCCL_PROTO='LL256'" in r.stderr, r.stderr
+
+
 def test_a_generation_without_a_profile_on_a_fabric_takes_the_nearest_generations():
     # A100s over RoCE: no a100-roce profile ships; the network section is the nearest generation's
     # on RoCE (Hopper), newer on a tie, and the report says so. A device of no known generation

@@ -187,18 +187,25 @@ def _compare(topo, logs: List[Path], model: Optional[str], op=None, env_note: Li
     """``bench --compare``: the topology's model at each log's sizes, beside the log."""
     from ..fidelity.hardware_fit import compare_rows, measured_points
     from ..fidelity.nccl_log import read_log
+    from ..model.nccl_env import VARIABLES
     from ..model.registry import create_model
     from ..report.nccl_tests import ROUGH, format_compare
 
     m = create_model(topo, model)
     for path in logs:
         measured = measured_points(topo, read_log(path, op, default_ranks=topo.world_size))
-        inner = getattr(m, "inner", m)
-        rows = compare_rows(measured, use_topology=True, model=m)
+        timer, log_env = m, []
+        limits = [f"{k}={v}" for k, v in measured.log.env if k in dict(VARIABLES)]
+        if limits and getattr(getattr(m, "inner", m), "name", "") == "nccl":
+            # The log's own NCCL_ALGO / NCCL_PROTO (NCCL_DEBUG=INFO lines) limited that run: so do they its model.
+            timer = create_model(measured.topology, model)
+            log_env = ["the log's NCCL environment: " + " ".join(limits)]
+        inner = getattr(timer, "inner", timer)
+        rows = compare_rows(measured, use_topology=True, model=timer)
         where = getattr(inner, "hardware_source", "")
         head = [f"nbox bench --compare: topology {topo.name} ({topo.source}), {measured.log.ranks} ranks on "
                 f"{measured.n_nodes} node(s)", f"log {path}: {measured.log.op.value}"
                 + (f", NCCL {measured.log.nccl_version}" if measured.log.nccl_version else ""),
                 f"model {m.name}" + (f", hardware profile {where}" if where else "") + _channel_bounds(topo),
-                *_accuracy_notes(m), *env_note]
+                *_accuracy_notes(timer), *env_note, *log_env]
         sys.stdout.write(format_compare(rows, head, measured.log.timing_gaps(ROUGH)) + "\n\n")

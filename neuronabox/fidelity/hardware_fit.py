@@ -21,6 +21,7 @@ from ..errors import InputError, NboxError
 from ..model import nccl
 from ..model.base import Group
 from ..model.hardware import Accuracy, HardwareProfile, Section
+from ..model.nccl_env import from_environment
 from ..model.registry import create_model
 from ..topology import Topology
 from .nccl_log import NcclTestsLog
@@ -52,6 +53,13 @@ def measured_points(topology: Topology, log: NcclTestsLog) -> Measured:
     """The log's communicator on ``topology``: its first ``log.ranks`` ranks, checked against the log's hosts."""
     if log.ranks > topology.world_size:
         raise InputError(f"{log.path}: {log.ranks} ranks, but {topology.source} has {topology.world_size}")
+    if log.env:
+        # The run's own NCCL_ALGO / NCCL_PROTO (printed under NCCL_DEBUG=INFO) limit the nccl model's picks, as
+        # they did NCCL's; the topology's own settings still win. (A log is always timed by the nccl model.)
+        try:
+            topology, _ = from_environment(topology, dict(log.env))
+        except InputError as exc:
+            raise InputError(f"{log.path}: {exc}") from None
     group = Group(range(log.ranks))
     n_nodes = len({topology.rank_node[r] for r in group.ranks})
     if log.nodes is not None and log.nodes != n_nodes:

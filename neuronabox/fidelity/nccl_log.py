@@ -39,6 +39,8 @@ _RANK = re.compile(r"^#\s+Rank\s+(\d+)\s+(?:Group\s+\d+\s+)?Pid\s+\d+\s+on\s+(\S
 _HEAD = re.compile(r"minBytes\s+(\d+)\s+maxBytes\s+(\d+)")
 _NCCL_VERSION = re.compile(r"NCCL version\s+(\d+\.\d+\.\d+)")
 _NUM = re.compile(r"^-?\d+$")
+# NCCL_DEBUG=INFO prints every NCCL_* variable it read: "host:1:1 [0] NCCL INFO NCCL_PROTO set by environment to Simple".
+_ENV_SET = re.compile(r"NCCL INFO (NCCL_[A-Z0-9_]+) set by environment to (\S+)")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class NcclTestsLog:
     hosts: tuple[str, ...]  # distinct, in rank order; empty when the log names none
     devices: tuple[str, ...]
     nccl_version: str | None
+    env: tuple[tuple[str, str], ...] = ()  # NCCL_* variables the log says NCCL read (NCCL_DEBUG=INFO lines)
 
     @property
     def nodes(self) -> int | None:
@@ -132,8 +135,11 @@ def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = 
     max_bytes = None
     version = None
     trailer = False
+    env: dict[str, str] = {}
     for i, raw in enumerate(text.splitlines(), start=1):
         line = raw.rstrip()
+        if "set by environment" in line and (m := _ENV_SET.search(line)):
+            env.setdefault(m.group(1), m.group(2))  # every rank prints it: the first is the job's
         if binary is None and (m := _BINARY.search(line)):
             binary = m.group(1)  # the command line, or newer versions' "# Collective test starting"
         if (m := _NCCL_VERSION.search(line)) and version is None:
@@ -179,7 +185,7 @@ def parse_log(text: str, source: str, op: Op | None = None, ranks: int | None = 
         n = _ranks_from_factor(rows, op, source)
     if max_bytes is not None and not trailer and rows[-1].size < max_bytes:
         raise InputError(f"{source}: line {rows[-1].line}: the log ends at {rows[-1].size} B before its maxBytes {max_bytes} (truncated)")
-    return NcclTestsLog(source, op, tuple(rows), n, tuple(hosts), tuple(devices), version)
+    return NcclTestsLog(source, op, tuple(rows), n, tuple(hosts), tuple(devices), version, tuple(env.items()))
 
 
 def op_from_filename(path: str | Path) -> Op | None:
