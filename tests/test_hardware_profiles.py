@@ -36,9 +36,18 @@ SIZES = [8 << i for i in range(28)]  # 8 B .. 1 GiB
 HEADER = "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong"
 
 
-def nbox(*args, cwd=None):
+def nbox(*args, cwd=None, env=None):
     return subprocess.run([sys.executable, "-m", "neuronabox.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
+                          timeout=120, env=env)
+
+
+def two_node_all_reduce(tmp_path, before_init=""):
+    """A two-node H100 topology and a script of one 1 MiB all-reduce (``before_init``: lines it runs first)."""
+    (tmp_path / "t.yaml").write_text(H100.format(nodes=2, extra=""))
+    (tmp_path / "train.py").write_text(
+        "import os, torch, torch.distributed as dist\n" + before_init + "dist.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(1 << 18))\ndist.destroy_process_group()\n"
+    )
 
 
 def log_text(times, op="all_reduce", ranks=8, hosts=1, factor=1.75, max_bytes=None, in_place=None):
@@ -370,13 +379,7 @@ def test_shipped_profiles_carry_the_accuracy_the_published_table_reads_and_bench
 
 
 def test_a_run_on_the_nccl_model_names_its_hardware_profile_and_its_error(tmp_path):
-    (tmp_path / "t.yaml").write_text(H100.format(nodes=2, extra=""))
-    (tmp_path / "train.py").write_text(
-        "import torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
-        "dist.all_reduce(torch.ones(1 << 18))\n"
-        "dist.destroy_process_group()\n"
-    )
+    two_node_all_reduce(tmp_path)
     r = nbox("run", "t.yaml", "--report", "r.json", "--", sys.executable, "train.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "r.json").read_text())
@@ -390,19 +393,11 @@ def test_a_run_on_the_nccl_model_names_its_hardware_profile_and_its_error(tmp_pa
 def test_a_run_takes_nccls_limits_from_the_environment_as_nccl_does(tmp_path):
     # NCCL_PROTO from the launching shell (a cluster's NCCL profile sourced first), NCCL_ALGO set by the script
     # itself before its first communicator: NCCL reads both; the topology leaves them at auto.
-    (tmp_path / "t.yaml").write_text(H100.format(nodes=2, extra=""))
-    (tmp_path / "train.py").write_text(
-        "import os, torch, torch.distributed as dist\n"
-        "os.environ['NCCL_ALGO'] = 'Ring'\n"
-        "dist.init_process_group('gloo')\n"
-        "dist.all_reduce(torch.ones(1 << 18))\n"
-        "dist.destroy_process_group()\n"
-    )
+    two_node_all_reduce(tmp_path, "os.environ['NCCL_ALGO'] = 'Ring'\n")
     default = create_model(parse_topology(H100.format(nodes=2, extra=""), "t.yaml"), "nccl")
     assert default.estimate(Op.ALL_REDUCE, 1 << 20, range(16)).algorithm != "ring"
     env = {**os.environ, "NCCL_PROTO": "Simple"}
-    r = subprocess.run([sys.executable, "-m", "neuronabox.cli", "run", "t.yaml", "--report", "r.json", "--", sys.executable,
-                        "train.py"], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    r = nbox("run", "t.yaml", "--report", "r.json", "--", sys.executable, "train.py", cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["nccl_env"] == ["NCCL_ALGO=Ring", "NCCL_PROTO=Simple"]
@@ -410,8 +405,7 @@ def test_a_run_takes_nccls_limits_from_the_environment_as_nccl_does(tmp_path):
     assert "NCCL environment │ NCCL_ALGO=Ring NCCL_PROTO=Simple" in r.stdout, r.stdout
     # A value NCCL would refuse stops the run before the script starts, naming the variable.
     env["NCCL_PROTO"] = "LL256"
-    r = subprocess.run([sys.executable, "-m", "neuronabox.cli", "run", "t.yaml", "--", sys.executable, "train.py"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    r = nbox("run", "t.yaml", "--", sys.executable, "train.py", cwd=tmp_path, env=env)
     assert r.returncode == 2 and "environment NCCL_PROTO='LL256'" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
 
 
