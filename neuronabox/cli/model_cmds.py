@@ -114,17 +114,14 @@ def bench(
     from ..collectives import Op
     from ..model.bench import DTYPES, parse_bench_size, parse_ranks, run_bench, sweep_sizes
     from ..model.calibrated import with_profile
+    from ..model.nccl_env import from_environment
     from ..model.registry import create_model
     from ..report.nccl_tests import format_table
 
     topo = with_profile(topo, profile, model)
-    env_note: list[str] = []
-    if (model or topo.emulation.model) == "nccl":
-        from ..model.nccl_env import from_environment
-
-        # nccl-tests on the cluster runs under the job's NCCL_ALGO / NCCL_PROTO / NCCL_NVLS_ENABLE; so does the model.
-        topo, taken = from_environment(topo, os.environ)
-        env_note = [f"NCCL environment: {' '.join(taken)}"] if taken else []
+    # nccl-tests on the cluster runs under the job's NCCL_ALGO / NCCL_PROTO / NCCL_NVLS_ENABLE; so does the nccl model.
+    topo, taken = from_environment(topo, os.environ)
+    env_note = [f"NCCL environment: {' '.join(taken)}"] if taken else []
     try:
         ops = list(Op) if op == "all" else [Op.parse(op or "all_reduce")]
     except ValueError as exc:
@@ -187,7 +184,6 @@ def _compare(topo, logs: List[Path], model: Optional[str], op=None, env_note: Li
     """``bench --compare``: the topology's model at each log's sizes, beside the log."""
     from ..fidelity.hardware_fit import compare_rows, measured_points
     from ..fidelity.nccl_log import read_log
-    from ..model.nccl_env import VARIABLES
     from ..model.registry import create_model
     from ..report.nccl_tests import ROUGH, format_compare
 
@@ -195,11 +191,10 @@ def _compare(topo, logs: List[Path], model: Optional[str], op=None, env_note: Li
     for path in logs:
         measured = measured_points(topo, read_log(path, op, default_ranks=topo.world_size))
         timer, log_env = m, []
-        limits = [f"{k}={v}" for k, v in measured.log.env if k in dict(VARIABLES)]
-        if limits and getattr(getattr(m, "inner", m), "name", "") == "nccl":
+        if measured.nccl_env and getattr(getattr(m, "inner", m), "name", "") == "nccl":
             # The log's own NCCL_ALGO / NCCL_PROTO (NCCL_DEBUG=INFO lines) limited that run: so do they its model.
             timer = create_model(measured.topology, model)
-            log_env = ["the log's NCCL environment: " + " ".join(limits)]
+            log_env = ["the log's NCCL environment: " + " ".join(measured.nccl_env)]
         inner = getattr(timer, "inner", timer)
         rows = compare_rows(measured, use_topology=True, model=timer)
         where = getattr(inner, "hardware_source", "")

@@ -61,6 +61,7 @@ def run(
     topo = load(topology, inject, latency_scale, bandwidth_scale, straggler, world_size)
     from ..launcher.runner import describe_exit, run_command
     from ..model.calibrated import with_profile
+    from ..model.nccl_env import from_environment
     from ..model.registry import create_model
     from ..report.run_summary import summarize, summary_tables
     from ..report.trace import write_trace
@@ -70,10 +71,7 @@ def run(
     if changes:
         topo = topo.with_changes(emulation=changes)
     create_model(topo)  # a bad model, algorithm or NCCL release fails here, before the script starts
-    if topo.emulation.model == "nccl":
-        from ..model.nccl_env import from_environment
-
-        from_environment(topo, os.environ)  # and a bad NCCL_ALGO or the like, which the ranks read as NCCL does
+    from_environment(topo, os.environ)  # and a bad NCCL_ALGO or the like, which nccl-model ranks read as NCCL does
     real = rank if rank is not None else topo.emulation.real_ranks[0]
     if warmup is not None and warmup < 0:
         raise InputError(f"--warmup: must be 0 or more, got {warmup}")

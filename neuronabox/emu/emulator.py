@@ -190,14 +190,11 @@ def current() -> Emulator:
                 "call neuronabox.emu.api.init(topology) first, or set NBOX_TOPOLOGY"
             )
         rank = int(os.environ.get(ENV_REAL_RANK, os.environ.get("RANK", "0")))
-        topology = load_topology(Path(path))
-        model = os.environ.get(ENV_MODEL) or None
-        taken: list[str] = []
-        if (model or topology.emulation.model) == "nccl":
-            from ..model.nccl_env import from_environment
+        from ..model.nccl_env import from_environment
 
-            # Read as NCCL reads them, when the script's first communicator comes up: its own settings count.
-            topology, taken = from_environment(topology, os.environ)
+        model = os.environ.get(ENV_MODEL) or None
+        # Read as NCCL reads them, when the script's first communicator comes up: its own settings count.
+        topology, taken = from_environment(load_topology(Path(path)), os.environ, model)
         _current = Emulator(topology, rank, model)
         _current.nccl_env = taken
     return _current

@@ -47,19 +47,19 @@ class Measured:
     log: NcclTestsLog
     group: Group
     n_nodes: int
+    nccl_env: tuple[str, ...] = ()  # the log's NCCL_* limits the topology took (NAME=value), from_environment's
 
 
 def measured_points(topology: Topology, log: NcclTestsLog) -> Measured:
     """The log's communicator on ``topology``: its first ``log.ranks`` ranks, checked against the log's hosts."""
     if log.ranks > topology.world_size:
         raise InputError(f"{log.path}: {log.ranks} ranks, but {topology.source} has {topology.world_size}")
-    if log.env:
-        # The run's own NCCL_ALGO / NCCL_PROTO (printed under NCCL_DEBUG=INFO) limit the nccl model's picks, as
-        # they did NCCL's; the topology's own settings still win. (A log is always timed by the nccl model.)
-        try:
-            topology, _ = from_environment(topology, dict(log.env))
-        except InputError as exc:
-            raise InputError(f"{log.path}: {exc}") from None
+    # The run's own NCCL_ALGO / NCCL_PROTO (printed under NCCL_DEBUG=INFO) limit the nccl model's picks, as
+    # they did NCCL's; the topology's own settings still win. (A log is always timed by the nccl model.)
+    try:
+        topology, taken = from_environment(topology, dict(log.env), "nccl")
+    except InputError as exc:
+        raise InputError(f"{log.path}: {exc}") from None
     group = Group(range(log.ranks))
     n_nodes = len({topology.rank_node[r] for r in group.ranks})
     if log.nodes is not None and log.nodes != n_nodes:
@@ -67,7 +67,7 @@ def measured_points(topology: Topology, log: NcclTestsLog) -> Measured:
             f"{log.path}: the log ran on {log.nodes} hosts, but its {log.ranks} ranks span {n_nodes} node(s) of "
             f"{topology.source}"
         )
-    return Measured(topology, log, group, n_nodes)
+    return Measured(topology, log, group, n_nodes, tuple(taken))
 
 
 def _vector_fields(section: Section, network: bool, p2p: bool = False, per_protocol_overlap: bool = True,

@@ -144,7 +144,7 @@ def _write_record(path: str) -> None:
     if getattr(inner, "hardware_source", ""):  # the nccl model: which hardware profile timed the run, and its error
         notes = getattr(inner, "accuracy_notes", None)  # a plug-in model may name a source and have no notes
         data["hardware"] = [inner.hardware_source, *(notes() if notes else ())]
-    if getattr(emu, "nccl_env", None):  # NCCL_ALGO and the like, read from the script's environment
+    if emu.nccl_env:  # NCCL_ALGO and the like, read from the script's environment
         data["nccl_env"] = emu.nccl_env
     effects = getattr(emu, "effects", ())
     if effects:  # what the host effects did in this run, one line each (host_effects/)

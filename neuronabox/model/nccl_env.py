@@ -12,7 +12,6 @@ from collections.abc import Mapping
 
 from ..errors import InputError
 from ..topology import Topology
-from .nccl import NcclModel
 
 __all__ = ["VARIABLES", "from_environment"]
 
@@ -29,9 +28,17 @@ VARIABLES = (
 _NVLS = ("nvls", "nvls_tree")
 
 
-def from_environment(topology: Topology, environ: Mapping[str, str]) -> tuple[Topology, list[str]]:
+def from_environment(topology: Topology, environ: Mapping[str, str], model: str | None = None,
+                     ) -> tuple[Topology, list[str]]:
     """The topology with the environment's NCCL limits where its emulation section leaves them open, and the
-    ``NAME=value`` of each one taken; a value NCCL would not take is an InputError naming the variable."""
+    ``NAME=value`` of each one taken; a value NCCL would not take is an InputError naming the variable.
+
+    ``model``: the model that times it (default: the topology's); any other than nccl takes nothing.
+    """
+    if (model or topology.emulation.model) != "nccl":
+        return topology, []
+    from .nccl import NcclModel  # only now: a run on another model does not import it at start-up
+
     em = topology.emulation
     changes: dict[str, object] = {}
     taken: list[str] = []
